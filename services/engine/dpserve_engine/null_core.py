@@ -1,0 +1,112 @@
+"""The null engine: EngineCore's interface with no model.
+
+A product feature, not a test double: it measures the frontend and coordinator alone (benchmarks) and lets a
+simulation run many ranks on one machine. Each step takes `step_time_s` and gives every running request one
+token; requests go from waiting to running up to `max_num_seqs`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable
+
+from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
+
+from dpserve_engine.interface import EngineCoreBase, InvalidRequest
+
+
+class _NullRequest:
+    __slots__ = ("request", "num_generated", "is_first")
+
+    def __init__(self, request: EngineRequest):
+        self.request = request
+        self.num_generated = 0
+        self.is_first = True
+
+
+class NullEngineCore(EngineCoreBase):
+    def __init__(
+        self,
+        model_info: ModelInfo,
+        step_time_s: float = 0.0,
+        max_num_seqs: int = 256,
+        token_ids: list[int] | None = None,
+        num_kv_blocks: int = 4096,
+    ):
+        self.model_info = model_info
+        self.kv_blocks_total = num_kv_blocks
+        self._step_time_s = step_time_s
+        self._max_num_seqs = max_num_seqs
+        # Ordinary text tokens; cycling through them gives readable output from any byte-level BPE vocab.
+        self._token_ids = token_ids or [min(1000 + i, model_info.vocab_size - 1) for i in range(8)]
+        self._waiting: collections.OrderedDict[str, _NullRequest] = collections.OrderedDict()
+        self._running: collections.OrderedDict[str, _NullRequest] = collections.OrderedDict()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_steps = 0
+
+    def add_request(self, request: EngineRequest) -> None:
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
+        if not request.prompt_token_ids:
+            raise InvalidRequest("the prompt is empty")
+        if total > self.model_info.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens ({request.sampling.max_tokens}) "
+                f"exceeds max_model_len ({self.model_info.max_model_len})"
+            )
+        if request.request_id in self._waiting or request.request_id in self._running:
+            raise InvalidRequest(f"duplicate request id {request.request_id!r}")
+        self._waiting[request.request_id] = _NullRequest(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            entry = self._waiting.pop(request_id, None) or self._running.pop(request_id, None)
+            if entry is not None:
+                outputs.append(RequestOutput(request_id, finish_reason=FinishReason.ABORT))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        while self._waiting and len(self._running) < self._max_num_seqs:
+            request_id, entry = self._waiting.popitem(last=False)
+            self._running[request_id] = entry
+            self._num_prompt_tokens += len(entry.request.prompt_token_ids)
+        outputs = []
+        finished = []
+        for request_id, entry in self._running.items():
+            token_id = self._token_ids[entry.num_generated % len(self._token_ids)]
+            entry.num_generated += 1
+            output = RequestOutput(request_id, [token_id])
+            if entry.is_first:
+                output.num_prompt_tokens = len(entry.request.prompt_token_ids)
+                entry.is_first = False
+            if entry.num_generated >= entry.request.sampling.max_tokens:
+                output.finish_reason = FinishReason.LENGTH
+                finished.append(request_id)
+            outputs.append(output)
+        for request_id in finished:
+            del self._running[request_id]
+        self._num_generation_tokens += len(outputs)
+        self._num_steps += 1
+        remaining = self._step_time_s - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return outputs
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            rank=0,
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            kv_blocks_used=0,
+            kv_blocks_total=self.kv_blocks_total,
+            num_waiting_tokens=sum(len(e.request.prompt_token_ids) for e in self._waiting.values()),
+            step=self._num_steps,
+            prompt_tokens=self._num_prompt_tokens,
+            generation_tokens=self._num_generation_tokens,
+        )

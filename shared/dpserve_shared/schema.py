@@ -1,0 +1,303 @@
+"""The dpserve wire schema: every message that crosses a process boundary.
+
+Messages are msgspec Structs, tagged (the tag is the first element of the msgpack array), positional
+(`array_like=True`) with trailing defaults dropped (`omit_defaults=True`). Field order is part of the wire
+format: append new fields at the end with a default, and bump PROTOCOL_VERSION for anything else.
+
+They are grouped by where they go:
+
+- ToEngine:      frontend -> engine ROUTER (requests, aborts); coordinator PUB -> engine SUB (StartWave, Topology)
+- ToFrontend:    engine ROUTER -> frontend DEALER (EngineOutputs)
+- ToCoordinator: frontend/engine DEALER -> coordinator control ROUTER
+- FromCoordinator: control replies and PUB broadcasts
+
+Sockets and the request path are described in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag=True, kw_only=False):
+    """Base of every tagged wire message."""
+
+
+class _Part(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Base of untagged parts nested inside messages."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared parts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class EngineState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token id (the frontend also ends requests on stop strings)
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by the client / frontend
+    ERROR = "error"  # the engine failed this request
+
+
+class SamplingParams(_Part):
+    """Per-request sampling. Defaults are OpenAI's / vLLM's."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives per sampled token (0 = only the sampled one)
+    prompt_logprobs: int | None = None  # same, for every prompt token but the first
+
+
+class ModelInfo(_Part):
+    """What a frontend needs to serve a model without model files or torch."""
+
+    name: str  # served model name
+    root: str  # path or id the weights came from
+    max_model_len: int
+    vocab_size: int
+    tokenizer_json: str  # tokenizers' JSON serialization
+    chat_template: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = []
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos_token: bool = False
+
+
+class TokenLogprob(_Part):
+    """Logprob of one chosen token plus its top alternatives (ids and logprobs, best first)."""
+
+    token_id: int
+    logprob: float
+    rank: int = 1
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class EngineLoad(_Part):
+    """An engine's load and cumulative counters at one step. Counters only ever grow."""
+
+    rank: int
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_waiting_tokens: int = 0  # prompt tokens still to prefill (for token-aware routing)
+    wave: int = 0
+    is_running: bool = False  # engine is stepping (wave protocol)
+    step: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, found
+    prompt_tokens: int = 0  # prompt tokens computed (cumulative)
+    generation_tokens: int = 0  # tokens generated (cumulative)
+    num_preemptions: int = 0
+
+
+class EngineInfo(_Part):
+    rank: int
+    engine_id: str
+    input_addr: str  # the engine ROUTER that frontends connect to
+    state: EngineState = EngineState.STARTING
+    node_ip: str = ""
+    pid: int = 0
+    kv_blocks_total: int = 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# To engines
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class EngineRequest(_Msg, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0  # time.time() at the frontend
+    frontend_id: str = ""
+    wave: int = 0  # the wave the frontend believed current
+    prefix_block_hashes: list[int] | None = None
+
+
+class AbortRequests(_Msg, tag="abort"):
+    request_ids: list[str]
+
+
+class StartWave(_Msg, tag="start_wave"):
+    """Coordinator -> engines: start stepping in wave `wave` (ignored by `exclude_rank` and if stale)."""
+
+    wave: int
+    exclude_rank: int | None = None
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    """Coordinator -> engine: finish (drain) or stop now."""
+
+    drain: bool = True
+    reason: str = ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# To frontends
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class RequestOutput(_Part):
+    """New tokens for one request from one engine step."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set on the first output)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # set once; the first prompt token has None
+    error: str | None = None  # message when finish_reason is ERROR
+    num_prompt_tokens: int = 0  # set on the first output
+
+
+class EngineOutputs(_Msg, tag="outputs"):
+    """Everything one engine step produced for one frontend."""
+
+    engine_rank: int
+    outputs: list[RequestOutput] = []
+    load: EngineLoad | None = None
+    timestamp: float = 0.0
+
+
+class EngineHello(_Msg, tag="engine_hello"):
+    """Engine -> frontend, the first message on a new connection, so the ROUTER learns the identity."""
+
+    engine_rank: int
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# To the coordinator (control ROUTER; DEALER identity = sender id)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class RegisterEngine(_Msg, tag="register_engine"):
+    protocol_version: int
+    rank: int  # -1: let the coordinator assign one (engines started by hand)
+    engine_id: str
+    input_addr: str
+    model: ModelInfo
+    kv_blocks_total: int = 0
+    node_ip: str = ""
+    pid: int = 0
+
+
+class RegisterFrontend(_Msg, tag="register_frontend"):
+    protocol_version: int
+    frontend_id: str
+    pid: int = 0
+    http_addr: str = ""
+
+
+class Unregister(_Msg, tag="unregister"):
+    sender_id: str
+    reason: str = ""
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    sender_id: str
+    timestamp: float = 0.0
+
+
+class EngineStats(_Msg, tag="engine_stats"):
+    load: EngineLoad
+
+
+class WaveComplete(_Msg, tag="wave_complete"):
+    """Engine rank 0 -> coordinator: every rank has stopped stepping; wave `wave` is over."""
+
+    wave: int
+
+
+class StartWaveRequest(_Msg, tag="start_wave_request"):
+    """Frontend (first request while paused) or engine (request with a stale wave) -> coordinator."""
+
+    wave: int
+    rank: int  # the rank that already has the request (excluded from the broadcast unless stale)
+
+
+class ScaleRequest(_Msg, tag="scale"):
+    data_parallel_size: int
+
+
+class ReleaseRequests(_Msg, tag="release"):
+    """Frontend -> coordinator: it went away; engines abort every request it sent."""
+
+    frontend_id: str
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# From the coordinator (control replies and PUB broadcasts)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Topology(_Msg, tag="topology"):
+    epoch: int  # grows with every change
+    engines: list[EngineInfo] = []
+    model: ModelInfo | None = None
+    data_parallel_size: int = 0  # target size
+
+
+class LoadSnapshot(_Msg, tag="load"):
+    loads: list[EngineLoad] = []
+    wave: int = 0
+    engines_running: bool = False
+    timestamp: float = 0.0
+
+
+class RegisterAck(_Msg, tag="register_ack"):
+    accepted: bool
+    error: str | None = None
+    rank: int = -1  # the rank assigned to an engine
+    pub_addr: str = ""  # the coordinator's broadcast socket
+    topology: Topology | None = None
+
+
+class ScaleAck(_Msg, tag="scale_ack"):
+    accepted: bool
+    error: str | None = None
+    data_parallel_size: int = 0
+
+
+class FrontendGone(_Msg, tag="frontend_gone"):
+    """Coordinator -> engines: abort every request of this frontend."""
+
+    frontend_id: str
+
+
+ToEngine = EngineRequest | AbortRequests | StartWave | Shutdown | FrontendGone | Topology
+ToFrontend = EngineOutputs | EngineHello
+ToCoordinator = (
+    RegisterEngine
+    | RegisterFrontend
+    | Unregister
+    | Heartbeat
+    | EngineStats
+    | WaveComplete
+    | StartWaveRequest
+    | ScaleRequest
+    | ReleaseRequests
+)
+FromCoordinator = Topology | LoadSnapshot | RegisterAck | ScaleAck | StartWave | Shutdown | FrontendGone
