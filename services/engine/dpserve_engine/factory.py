@@ -1,0 +1,19 @@
+"""Builds the engine core a config asks for: the real EngineCore or the null engine."""
+
+from __future__ import annotations
+
+from dpserve_engine.config import EngineConfig
+from dpserve_engine.interface import EngineCoreBase
+
+
+def build_engine_core(config: EngineConfig) -> EngineCoreBase:
+    if config.null_engine:
+        from dpserve_engine.null_core import NullEngineCore
+        from dpserve_engine.tokenizer import load_model_info
+
+        return NullEngineCore(
+            load_model_info(config), step_time_s=config.null_step_time_s, max_num_seqs=config.max_num_seqs
+        )
+    from dpserve_engine.core import EngineCore  # imports torch: only when a real model is asked for
+
+    return EngineCore(config)

