@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 DP ?= 2
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install system-deps serve test test-fast bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,7 +24,16 @@ install: $(STAMP)
 serve: install
 	$(BIN)/dpserve serve --data-parallel-size $(DP) --port $(PORT)
 
-test: install
+# Debian tools the tests use: docker-compose (validates docker-compose.yml), iproute2 (network namespaces).
+system-deps:
+	@if ! command -v docker-compose >/dev/null || ! command -v ip >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing docker-compose and iproute2 (Debian packages)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose iproute2 >/dev/null; \
+	  else echo "note: install docker-compose and iproute2 for the deploy and multi-host tests"; fi; \
+	fi
+
+test: install system-deps
 	$(BIN)/python -m pytest -q tests
 
 test-fast: install

@@ -1,0 +1,15 @@
+#!/bin/sh
+# Start the Ray head on this container's address, then the coordinator attached to it.
+# Env: DPSERVE_DP_SIZE (2), DPSERVE_DP_SIZE_LOCAL (0: no engine on the head), DPSERVE_RPC_PORT (29550),
+#      DPSERVE_MODEL (smollm2), RAY_AUTH_MODE/RAY_AUTH_TOKEN (shared by every Ray node).
+set -eu
+IP="$(hostname -i | awk '{print $1}')"
+ray start --head --node-ip-address "$IP" --port 6379 --dashboard-host "$IP" --num-cpus "${RAY_HEAD_NUM_CPUS:-0}"
+trap 'ray stop' EXIT
+exec dpserve-coordinator \
+  --ray-address auto \
+  --data-parallel-address "$IP" \
+  --data-parallel-rpc-port "${DPSERVE_RPC_PORT:-29550}" \
+  --data-parallel-size "${DPSERVE_DP_SIZE:-2}" \
+  --data-parallel-size-local "${DPSERVE_DP_SIZE_LOCAL:-0}" \
+  --model "${DPSERVE_MODEL:-smollm2}" "$@"

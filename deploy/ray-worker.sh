@@ -1,0 +1,6 @@
+#!/bin/sh
+# Join the Ray cluster at RAY_HEAD_ADDRESS (ray-head:6379) and host engine actors until stopped.
+set -eu
+IP="$(hostname -i | awk '{print $1}')"
+exec ray start --address "${RAY_HEAD_ADDRESS:-ray-head:6379}" --node-ip-address "$IP" \
+  --num-cpus "${RAY_WORKER_NUM_CPUS:-2}" --block
