@@ -171,6 +171,7 @@ class RequestOutput(_Part):
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once; the first prompt token has None
     error: str | None = None  # message when finish_reason is ERROR
     num_prompt_tokens: int = 0  # set on the first output
+    queue_time_s: float | None = None  # set on the first output: engine arrival -> first scheduled (s)
 
 
 class EngineOutputs(_Msg, tag="outputs"):

@@ -1,0 +1,83 @@
+"""The small endpoints: /v1/models, /health, /tokenize, /detokenize, /version, /metrics."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from aiohttp import web
+
+from dpserve_frontend.api_chat import render_chat_prompt
+from dpserve_frontend.errors import BadRequest
+from dpserve_frontend.http_util import json_response, read_request
+from dpserve_frontend.metrics import CONTENT_TYPE
+from dpserve_frontend.protocol import DetokenizeRequest, TokenizeRequest, check_token_id
+from dpserve_frontend.state import FrontendState
+
+
+def _version() -> str:
+    try:
+        return metadata.version("dpserve-frontend")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+async def list_models(request: web.Request, state: FrontendState) -> web.Response:
+    data = []
+    info = state.model_info
+    if info is not None:
+        data.append({
+            "id": info.name,
+            "object": "model",
+            "created": int(state.started_at),
+            "owned_by": "dpserve",
+            "root": info.root,
+            "parent": None,
+            "max_model_len": info.max_model_len,
+            "permission": [],
+        })
+    return json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request, state: FrontendState) -> web.Response:
+    """200 while at least one rank serves ("degraded" if some expected rank does not), 503 otherwise."""
+    serving = state.router.serving_ranks
+    expected = max(state.pool.expected_size, len(serving))
+    if state.is_draining or not serving:
+        status, code = "unavailable", 503
+    else:
+        status, code = ("ok" if len(serving) >= expected else "degraded"), 200
+    return json_response({"status": status, "serving_ranks": serving, "data_parallel_size": expected}, code)
+
+
+async def tokenize(request: web.Request, state: FrontendState) -> web.Response:
+    req = await read_request(request, TokenizeRequest)
+    info, tok = state.require_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise BadRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
+    if req.messages is not None:
+        add_special = bool(req.add_special_tokens)
+        _, ids = render_chat_prompt(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                    add_special, req.chat_template_kwargs)
+    else:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = tok.encode(req.prompt, add_special_tokens=add_special)
+    body = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": None}
+    if req.return_token_strs:
+        body["token_strs"] = [tok.tokenizer.id_to_token(i) for i in ids]
+    return json_response(body)
+
+
+async def detokenize(request: web.Request, state: FrontendState) -> web.Response:
+    req = await read_request(request, DetokenizeRequest)
+    _, tok = state.require_model(req.model)
+    for token_id in req.tokens:
+        check_token_id(token_id, tok.vocab_size, "tokens")
+    return json_response({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
+
+
+async def version(request: web.Request, state: FrontendState) -> web.Response:
+    return json_response({"version": _version()})
+
+
+async def metrics(request: web.Request, state: FrontendState) -> web.Response:
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,147 @@
+"""The aiohttp application: routes, middlewares, and the background work opened in cleanup contexts."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from dpserve_shared.schema import ModelInfo
+
+from dpserve_frontend import api_chat, api_completions, api_misc
+from dpserve_frontend.coordinator_client import CoordinatorClient
+from dpserve_frontend.errors import Unauthorized, error_middleware
+from dpserve_frontend.settings import FrontendSettings
+from dpserve_frontend.state import FrontendState
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = web.AppKey("state", FrontendState)
+COORDINATOR_KEY = web.AppKey("coordinator", CoordinatorClient)
+
+Handler = Callable[[web.Request, FrontendState], Awaitable[web.StreamResponse]]
+
+
+def _bind(handler: Handler):
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await handler(request, request.app[STATE_KEY])
+
+    return handle
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler):
+    """Frontend counters by endpoint and status; tracks in-flight requests for the drain on SIGTERM."""
+    state = request.app[STATE_KEY]
+    route = request.match_info.route.resource
+    endpoint = route.canonical if route is not None else "other"
+    state.num_http_in_flight += 1
+    status = 499  # the client went away before an answer
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        state.num_http_in_flight -= 1
+        state.metrics.http_requests.labels(endpoint, str(status)).inc()
+
+
+def _auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler):
+        if request.path.startswith("/v1/") and request.method != "OPTIONS":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise Unauthorized("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.")
+        return await handler(request)
+
+    return check_api_key
+
+
+async def _coordinator_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE_KEY]
+    settings = state.settings
+    if settings.coordinator_addr is None:
+        yield
+        return
+    client = CoordinatorClient(settings, state.apply_topology, state.apply_snapshot)
+    state.pool.on_start_wave = client.request_start_wave
+    app[COORDINATOR_KEY] = client
+    try:
+        await client.register()
+    except BaseException:
+        await client.close("registration failed")
+        raise
+    client.start()
+    yield
+    await client.close()
+
+
+async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[STATE_KEY].pool.close()
+
+
+async def _stats_log_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE_KEY]
+    interval_s = state.settings.stats_interval_s
+    task = asyncio.get_running_loop().create_task(_log_stats(state, interval_s)) if interval_s > 0 else None
+    yield
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _log_stats(state: FrontendState, interval_s: float) -> None:
+    """vLLM-style periodic line per rank: throughput, running, waiting, KV use, prefix hit rate."""
+    previous: dict[int, tuple[float, object]] = {}
+    while True:
+        await asyncio.sleep(interval_s)
+        now = time.monotonic()
+        for rank, load in sorted(state.engine_loads.items()):
+            before = previous.get(rank)
+            previous[rank] = (now, load)
+            if before is None:
+                continue
+            then, old = before
+            dt = max(now - then, 1e-6)
+            prompt_tps = (load.prompt_tokens - old.prompt_tokens) / dt
+            gen_tps = (load.generation_tokens - old.generation_tokens) / dt
+            queries = load.prefix_queries - old.prefix_queries
+            hit_rate = 100.0 * (load.prefix_hits - old.prefix_hits) / queries if queries > 0 else 0.0
+            if not (prompt_tps or gen_tps or load.num_running or load.num_waiting):
+                continue
+            kv = 100.0 * load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
+            log.info(
+                "engine %d: prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d, "
+                "waiting %d, KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
+                rank, prompt_tps, gen_tps, load.num_running, load.num_waiting, kv, hit_rate,
+            )
+
+
+def init_app(settings: FrontendSettings, model_info: ModelInfo | None = None) -> web.Application:
+    """The frontend app. Without `settings.coordinator_addr` it talks to no coordinator (tests give
+    `model_info` and feed topologies to the state directly)."""
+    middlewares = [count_requests, error_middleware]
+    if settings.api_key:
+        middlewares.append(_auth_middleware(settings.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    app[STATE_KEY] = FrontendState(settings, model_info)
+    app.cleanup_ctx.append(_coordinator_ctx)
+    app.cleanup_ctx.append(_engines_ctx)  # closed before the coordinator link: aborts go out, then Unregister
+    app.cleanup_ctx.append(_stats_log_ctx)
+    app.router.add_post("/v1/completions", _bind(api_completions.create_completion))
+    app.router.add_post("/v1/chat/completions", _bind(api_chat.create_chat_completion))
+    app.router.add_get("/v1/models", _bind(api_misc.list_models))
+    app.router.add_get("/health", _bind(api_misc.health))
+    app.router.add_post("/tokenize", _bind(api_misc.tokenize))
+    app.router.add_post("/detokenize", _bind(api_misc.detokenize))
+    app.router.add_get("/version", _bind(api_misc.version))
+    app.router.add_get("/metrics", _bind(api_misc.metrics))
+    return app

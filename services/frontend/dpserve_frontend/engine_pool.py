@@ -1,0 +1,241 @@
+"""The frontend's connections to the engine ranks and its table of requests in flight.
+
+One DEALER per READY engine (identity = this frontend's id) connected to the engine's ROUTER, and one receive
+task per DEALER that decodes `EngineOutputs` and hands each `RequestOutput` to the queue of the HTTP request
+that owns it. The pool follows the coordinator's `Topology`:
+
+- a READY rank that is new (or moved to a new address) is connected and becomes routable;
+- a DRAINING rank stays connected, so its requests finish, but gets no new ones;
+- a rank that disappears or is DEAD is dropped: its requests that have produced no token yet are re-sent to
+  another serving rank; the others end with an ERROR output (their text cannot be replayed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from dpserve_shared.codec import encode, frontend_decoder
+from dpserve_shared.schema import (
+    AbortRequests,
+    EngineHello,
+    EngineLoad,
+    EngineOutputs,
+    EngineRequest,
+    EngineState,
+    FinishReason,
+    RequestOutput,
+    StartWaveRequest,
+    Topology,
+)
+from dpserve_shared.waves import FrontendWaves
+
+from dpserve_frontend.router import NoEngineAvailable, Router
+
+log = logging.getLogger(__name__)
+
+OutputQueue = asyncio.Queue  # items: (seq_index, RequestOutput)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    request: EngineRequest
+    queue: OutputQueue
+    seq_index: int
+    rank: int
+    num_tokens: int = 0
+
+
+@dataclasses.dataclass
+class _EngineConn:
+    rank: int
+    input_addr: str
+    socket: zmq.asyncio.Socket
+    state: EngineState
+    recv_task: asyncio.Task | None = None
+
+
+class EnginePool:
+    def __init__(
+        self,
+        frontend_id: str,
+        router: Router,
+        context: zmq.asyncio.Context | None = None,
+        on_engine_load: Callable[[EngineLoad], None] | None = None,
+        on_start_wave: Callable[[StartWaveRequest], None] | None = None,
+        on_resend: Callable[[], None] | None = None,
+    ):
+        self.frontend_id = frontend_id
+        self.router = router
+        self._context = context or zmq.asyncio.Context.instance()
+        self._engines: dict[int, _EngineConn] = {}
+        self._in_flight: dict[str, _InFlight] = {}
+        self._topology_epoch = -1
+        self.expected_size = 0  # the data-parallel size the topology asks for
+        self._on_engine_load = on_engine_load
+        self.on_start_wave = on_start_wave
+        self._on_resend = on_resend
+        # The wave the coordinator last published, and whether the engines looked paused (dpserve_shared.waves).
+        self.waves = FrontendWaves()
+
+    # -- topology ---------------------------------------------------------------------------------------------
+
+    def apply_topology(self, topology: Topology) -> None:
+        if topology.epoch < self._topology_epoch:
+            return  # an older broadcast overtaken by a newer ack (or the reverse)
+        self._topology_epoch = topology.epoch
+        self.expected_size = topology.data_parallel_size or len(topology.engines)
+        listed = {info.rank: info for info in topology.engines}
+        gone = []
+        for rank, conn in self._engines.items():
+            info = listed.get(rank)
+            if info is None or info.state == EngineState.DEAD or info.input_addr != conn.input_addr:
+                gone.append((rank, "gone" if info is None else info.state.value))
+                conn.state = EngineState.DEAD
+            else:
+                conn.state = info.state
+        # Connect newcomers before dropping the gone, so that orphaned requests can move to them.
+        for rank, info in listed.items():
+            if info.state == EngineState.READY and rank not in self._engines and info.input_addr:
+                self._connect(rank, info.input_addr)
+        self.router.set_serving(self.serving_ranks)
+        for rank, reason in gone:
+            self._drop(rank, reason)
+        for rank, info in listed.items():  # a rank that moved to a new address
+            if info.state == EngineState.READY and rank not in self._engines and info.input_addr:
+                self._connect(rank, info.input_addr)
+        self.router.set_serving(self.serving_ranks)
+
+    @property
+    def serving_ranks(self) -> list[int]:
+        return sorted(r for r, c in self._engines.items() if c.state == EngineState.READY)
+
+    @property
+    def connected_ranks(self) -> list[int]:
+        return sorted(self._engines)
+
+    def _connect(self, rank: int, input_addr: str) -> None:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, self.frontend_id.encode())
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.connect(input_addr)
+        conn = _EngineConn(rank, input_addr, socket, EngineState.READY)
+        conn.recv_task = asyncio.get_running_loop().create_task(self._recv_loop(conn), name=f"engine-recv-{rank}")
+        self._engines[rank] = conn
+        log.info("connected to engine rank %d at %s", rank, input_addr)
+
+    def _drop(self, rank: int, reason: str) -> None:
+        conn = self._engines.pop(rank)
+        if conn.recv_task is not None:
+            conn.recv_task.cancel()
+        conn.socket.close(linger=0)
+        self.router.set_serving(self.serving_ranks)
+        orphans = [(rid, entry) for rid, entry in self._in_flight.items() if entry.rank == rank]
+        num_resent = 0
+        for request_id, entry in orphans:
+            if entry.num_tokens == 0 and self.router.serving_ranks:
+                try:
+                    new_rank = self.router.pick()
+                except NoEngineAvailable:
+                    new_rank = None
+                if new_rank is not None:
+                    entry.rank = new_rank
+                    self._send(new_rank, entry.request)
+                    num_resent += 1
+                    if self._on_resend is not None:
+                        self._on_resend()
+                    continue
+            del self._in_flight[request_id]
+            entry.queue.put_nowait(
+                (
+                    entry.seq_index,
+                    RequestOutput(
+                        request_id,
+                        finish_reason=FinishReason.ERROR,
+                        error=f"engine rank {rank} went away ({reason}) while serving this request",
+                    ),
+                )
+            )
+        log.warning(
+            "dropped engine rank %d (%s): %d requests in flight, %d re-sent, %d failed",
+            rank, reason, len(orphans), num_resent, len(orphans) - num_resent,
+        )
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    def submit(self, requests: list[EngineRequest], rank: int, queue: OutputQueue) -> None:
+        """Send a request's sequences (all to `rank`); their outputs arrive on `queue` as (seq_index, output)."""
+        if rank not in self._engines:
+            raise NoEngineAvailable(f"engine rank {rank} is not connected")
+        wave, wake_up = self.waves.stamp(rank)
+        for seq_index, request in enumerate(requests):
+            request.frontend_id = self.frontend_id
+            request.wave = wave
+            self._in_flight[request.request_id] = _InFlight(request, queue, seq_index, rank)
+            self._send(rank, request)
+        if wake_up is not None and self.on_start_wave is not None:
+            # The engines looked paused between waves: the coordinator wakes the other ranks too.
+            self.on_start_wave(wake_up)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort on the owning engines; further outputs for these ids are dropped."""
+        by_rank: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            entry = self._in_flight.pop(request_id, None)
+            if entry is not None:
+                by_rank.setdefault(entry.rank, []).append(request_id)
+        for rank, ids in by_rank.items():
+            if rank in self._engines:
+                self._engines[rank].socket.send(encode(AbortRequests(ids)))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def _send(self, rank: int, message) -> None:
+        # DEALER with no HWM: send never blocks, so it is called without await (zmq.asyncio returns a done future).
+        self._engines[rank].socket.send(encode(message))
+
+    async def _recv_loop(self, conn: _EngineConn) -> None:
+        decoder = frontend_decoder()
+        while True:
+            data = await conn.socket.recv()
+            try:
+                message = decoder.decode(data)
+            except msgspec.DecodeError as e:
+                log.error("undecodable message from engine rank %d: %s", conn.rank, e)
+                continue
+            if isinstance(message, EngineOutputs):
+                self._dispatch(message)
+            elif isinstance(message, EngineHello):
+                log.debug("engine rank %d said hello", message.engine_rank)
+
+    def _dispatch(self, message: EngineOutputs) -> None:
+        if message.load is not None and self._on_engine_load is not None:
+            self._on_engine_load(message.load)
+        for output in message.outputs:
+            entry = self._in_flight.get(output.request_id)
+            if entry is None:
+                continue  # aborted or finished here already
+            entry.num_tokens += len(output.new_token_ids)
+            if output.finish_reason is not None:
+                del self._in_flight[output.request_id]
+            entry.queue.put_nowait((entry.seq_index, output))
+
+    async def close(self) -> None:
+        """Abort what is still in flight and disconnect (lingering briefly so the aborts leave)."""
+        self.abort(list(self._in_flight))
+        for rank in list(self._engines):
+            conn = self._engines.pop(rank)
+            if conn.recv_task is not None:
+                conn.recv_task.cancel()
+            conn.socket.close(linger=500)
+        self.router.set_serving([])

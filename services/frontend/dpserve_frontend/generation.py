@@ -1,0 +1,242 @@
+"""One HTTP request's generation: its sequences on one engine rank, turned into text deltas.
+
+A request has `len(prompts) * n` sequences (choices), all routed to one rank so a shared prompt is prefilled
+once. Outputs arrive on one queue; each is detokenized, checked for stop strings (a hit finishes the sequence
+and aborts it on the engine) and handed to the endpoint as `SeqDelta`s. `close()` aborts whatever is still
+running: it runs when the client goes away, on errors and on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from dpserve_shared.schema import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob
+
+from dpserve_frontend.detokenizer import IncrementalDetokenizer
+from dpserve_frontend.errors import EngineError, ServiceUnavailable
+from dpserve_frontend.router import NoEngineAvailable, RankNotServing
+from dpserve_frontend.state import FrontendState
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None = None  # the prompt as text (for echo); None when it was given as token ids
+
+
+@dataclasses.dataclass
+class GenerationSpec:
+    prompts: list[PromptInput]
+    sampling: SamplingParams
+    n: int = 1
+    stop: list[str] = dataclasses.field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    pinned_rank: int | None = None
+
+
+@dataclasses.dataclass
+class Sequence:
+    index: int  # the choice index: prompt_index * n + child
+    prompt_index: int
+    request_id: str
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    queue_time_s: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+
+@dataclasses.dataclass
+class SeqDelta:
+    seq: Sequence
+    text: str
+    num_tokens_before: int  # index in seq.token_ids of this delta's first token
+    num_tokens: int
+    finish_reason: str | None = None
+
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.num_tokens_before : self.num_tokens_before + self.num_tokens]
+
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.seq.logprobs[self.num_tokens_before : self.num_tokens_before + self.num_tokens]
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Generation:
+    def __init__(self, state: FrontendState, spec: GenerationSpec, request_id: str, arrival_s: float | None = None):
+        self._state = state
+        self.spec = spec
+        self.request_id = request_id
+        self.rank = -1
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._arrival_s = arrival_s if arrival_s is not None else time.perf_counter()  # for TTFT / e2e
+        self._is_closed = False
+        tokenizer = state.tokenizer
+        assert tokenizer is not None
+        self.seqs: list[Sequence] = []
+        for p, prompt in enumerate(spec.prompts):
+            for child in range(spec.n):
+                detok = IncrementalDetokenizer(
+                    tokenizer.tokenizer,
+                    prompt.token_ids,
+                    skip_special_tokens=spec.skip_special_tokens,
+                    stop=spec.stop,
+                    include_stop_str_in_output=spec.include_stop_str_in_output,
+                    min_tokens=spec.sampling.min_tokens,
+                )
+                self.seqs.append(Sequence(len(self.seqs), p, f"{request_id}-{p}-{child}", detok))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.spec.prompts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        # Per prompt, what its first sequence reported (the prompt is counted once, like its tokens).
+        return sum(s.num_cached_tokens for s in self.seqs if s.index % self.spec.n == 0)
+
+    def start(self) -> None:
+        state = self._state
+        state.check_can_serve(self.spec.pinned_rank)
+        try:
+            self.rank = state.router.pick(self.spec.pinned_rank, num_seqs=len(self.seqs))
+        except (NoEngineAvailable, RankNotServing) as e:
+            raise ServiceUnavailable(str(e)) from None
+        arrival_time = time.time()
+        requests = []
+        for seq in self.seqs:
+            sampling = self.spec.sampling
+            child = seq.index % self.spec.n
+            if sampling.seed is not None and child:
+                # Children of a seeded request differ, and each is reproducible (vLLM's rule).
+                sampling = msgspec.structs.replace(sampling, seed=_wrap_int64(sampling.seed + child))
+            prompt = self.spec.prompts[seq.prompt_index]
+            requests.append(EngineRequest(seq.request_id, prompt.token_ids, sampling, arrival_time=arrival_time))
+        try:
+            state.pool.submit(requests, self.rank, self._queue)
+        except NoEngineAvailable as e:
+            raise ServiceUnavailable(str(e)) from None
+
+    async def deltas(self) -> AsyncIterator[list[SeqDelta]]:
+        """Yields the deltas of each batch of engine outputs until every sequence finished."""
+        num_unfinished = sum(not s.is_finished for s in self.seqs)
+        while num_unfinished:
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            batch = []
+            for seq_index, output in items:
+                seq = self.seqs[seq_index]
+                if seq.is_finished:
+                    continue
+                delta = self._apply(seq, output)
+                if delta.finish_reason is not None:
+                    num_unfinished -= 1
+                if delta.text or delta.num_tokens or delta.finish_reason:
+                    batch.append(delta)
+            if batch:
+                yield batch
+        self._finish_metrics()
+
+    def _apply(self, seq: Sequence, output: RequestOutput) -> SeqDelta:
+        now = time.perf_counter()
+        if output.finish_reason == FinishReason.ERROR or output.finish_reason == FinishReason.ABORT:
+            self.close()
+            self._state.metrics.engine_errors.labels(str(self.rank)).inc()
+            reason = output.error or "the engine aborted the request"
+            raise EngineError(f"request failed on engine rank {self.rank}: {reason}")
+        if seq.first_token_s is None:
+            seq.num_cached_tokens = output.num_cached_tokens
+            seq.queue_time_s = output.queue_time_s
+            seq.prompt_logprobs = output.prompt_logprobs
+        num_before = len(seq.token_ids)
+        detok = seq.detokenizer
+        for i, token_id in enumerate(output.new_token_ids):
+            seq.token_ids.append(token_id)
+            if output.new_logprobs is not None and i < len(output.new_logprobs):
+                seq.logprobs.append(output.new_logprobs[i])
+            detok.add_token(token_id)
+            if detok.is_stopped:
+                break
+        if output.new_token_ids:
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            elif seq.last_token_s is not None:
+                self._state.metrics.observe_itl(self.rank, now - seq.last_token_s)
+            seq.last_token_s = now
+        if detok.is_stopped:
+            seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
+            if output.finish_reason is None:
+                self._state.pool.abort([seq.request_id])
+        elif output.finish_reason is not None:
+            detok.finish()
+            if detok.is_stopped:  # the released tail completed a stop string
+                seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
+            else:
+                seq.finish_reason, seq.stop_reason = output.finish_reason.value, output.stop_reason
+        text = detok.take_new_text(seq.is_finished)
+        return SeqDelta(seq, text, num_before, len(seq.token_ids) - num_before, seq.finish_reason)
+
+    def _finish_metrics(self) -> None:
+        metrics = self._state.metrics
+        for prompt in self.spec.prompts:
+            metrics.count_prompt(self.rank, len(prompt.token_ids))
+        for seq in self.seqs:
+            metrics.observe_finished(
+                self.rank, seq.finish_reason or "abort", len(seq.token_ids), self._arrival_s,
+                seq.first_token_s, seq.last_token_s, seq.queue_time_s,
+            )
+        first = self.seqs[0]
+        ttft = f"{first.first_token_s - self._arrival_s:.3f}" if first.first_token_s is not None else "-"
+        log.debug(
+            "request %s finished on rank %d: %d seqs (%s), prompt %d, completion %d, cached %d tokens, "
+            "ttft %s s, e2e %.3f s",
+            self.request_id, self.rank, len(self.seqs), ",".join(sorted({s.finish_reason or "?" for s in self.seqs})),
+            self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens, ttft,
+            time.perf_counter() - self._arrival_s,
+        )
+
+    def close(self) -> None:
+        """Abort every unfinished sequence on its engine (idempotent)."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        unfinished = [s.request_id for s in self.seqs if not s.is_finished]
+        if unfinished and self.rank >= 0:
+            self._state.pool.abort(unfinished)
+            self._state.metrics.aborted.inc(len(unfinished))
+            log.debug("request %s: aborted %d unfinished sequences", self.request_id, len(unfinished))
+
+
+def _wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63

@@ -1,0 +1,104 @@
+"""Pieces every endpoint uses: reading JSON bodies, SSE framing, usage, max_tokens, the pinned rank header."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+from aiohttp import web
+
+from dpserve_frontend.errors import APIError, BadRequest, UnsupportedMediaType
+from dpserve_frontend.generation import Generation
+from dpserve_frontend.protocol import decode_body
+
+RANK_HEADER = "X-data-parallel-rank"
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+async def read_request(request: web.Request, struct: type):
+    if request.content_type != "application/json":
+        raise UnsupportedMediaType(
+            f"Unsupported Media Type: only 'application/json' is allowed, got {request.content_type!r}"
+        )
+    return decode_body(await request.read(), struct)
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def pinned_rank(request: web.Request) -> int | None:
+    value = request.headers.get(RANK_HEADER)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        rank = int(value)
+    except ValueError:
+        raise BadRequest(f"{RANK_HEADER} must be an integer rank, got {value!r}", param=RANK_HEADER) from None
+    if rank < 0:
+        raise BadRequest(f"{RANK_HEADER} must be >= 0, got {rank}", param=RANK_HEADER)
+    return rank
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, max_model_len: int,
+                       param: str, prompt_param: str) -> int:
+    """vLLM's rule: an explicit max_tokens that does not fit is an error; a default is clamped to what fits."""
+    if prompt_len >= max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input.",
+            param=prompt_param,
+        )
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the input, {requested} in the completion). "
+            "Please reduce the length of the input or completion.",
+            param=param,
+        )
+    return requested
+
+
+def usage(generation: Generation) -> dict:
+    prompt = generation.num_prompt_tokens
+    completion = generation.num_completion_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": generation.num_cached_tokens},
+    }
+
+
+def clean_logprob(value: float) -> float:
+    if math.isnan(value):
+        return MIN_LOGPROB
+    return max(value, MIN_LOGPROB)
+
+
+class SSEStream:
+    """Server-sent events exactly as OpenAI frames them: `data: {json}\\n\\n`, then `data: [DONE]\\n\\n`."""
+
+    def __init__(self, request: web.Request):
+        self._request = request
+        self.response = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"},
+        )
+
+    async def prepare(self) -> None:
+        await self.response.prepare(self._request)
+
+    async def send(self, obj) -> None:
+        await self.response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+    async def send_error(self, error: APIError) -> None:
+        await self.send(error.to_dict())
+
+    async def done(self) -> web.StreamResponse:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response

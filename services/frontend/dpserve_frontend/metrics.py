@@ -1,0 +1,154 @@
+"""Prometheus metrics with vLLM's names, labelled per engine rank, correct across many API-server processes.
+
+Two sources, so nothing is counted twice when M frontends serve one port:
+
+- Per-request series (token counters, finished requests, TTFT / TPOT / ITL / e2e / queue-time histograms,
+  frontend counters) are recorded by the frontend that served the request. With several processes the launcher
+  sets `PROMETHEUS_MULTIPROC_DIR` and prometheus_client's multiprocess mode sums them over processes, so
+  after N requests the token counters moved by exactly what the N responses' `usage` said.
+- Engine-side state (running / waiting requests, KV-cache use, prefix-cache counters, preemptions, the wave)
+  comes from the coordinator's `LoadSnapshot`, which every frontend receives identically. Each scrape exports
+  the latest snapshot this process holds (a custom collector), so it is never summed over processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from dpserve_shared.schema import LoadSnapshot
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def is_multiprocess() -> bool:
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+class _SnapshotCollector:
+    """Engine-side gauges and counters from the latest LoadSnapshot (see the module docstring)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshot: LoadSnapshot | None = None
+
+    def collect(self):
+        labels = ["model_name", "engine"]
+        running = GaugeMetricFamily("vllm:num_requests_running", "Requests in model execution batches.",
+                                    labels=labels)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be processed.", labels=labels)
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", labels=labels)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=labels)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=labels)
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions.", labels=labels)
+        wave = GaugeMetricFamily("dpserve:coordinator_wave", "The coordinator's current wave.")
+        is_running = GaugeMetricFamily("dpserve:engines_running", "1 while the engines are in a wave.")
+        snapshot = self.snapshot
+        if snapshot is not None:
+            for load in snapshot.loads:
+                values = [self.model_name, str(load.rank)]
+                running.add_metric(values, load.num_running)
+                waiting.add_metric(values, load.num_waiting)
+                kv.add_metric(values, load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0)
+                queries.add_metric(values, load.prefix_queries)
+                hits.add_metric(values, load.prefix_hits)
+                preemptions.add_metric(values, load.num_preemptions)
+            wave.add_metric([], snapshot.wave)
+            is_running.add_metric([], 1.0 if snapshot.engines_running else 0.0)
+        return [running, waiting, kv, queries, hits, preemptions, wave, is_running]
+
+
+class FrontendMetrics:
+    """Every series this frontend records; `render()` gives the Prometheus text for /metrics."""
+
+    def __init__(self, model_name: str = ""):
+        self._multiprocess = is_multiprocess()
+        # Multiprocess values live in the mmap files, not in a registry; one process-wide registry otherwise.
+        self._registry = CollectorRegistry()
+        own = None if self._multiprocess else self._registry
+        self._snapshot = _SnapshotCollector(model_name)
+        labels = ["model_name", "engine"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=own)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=own)
+        self.request_success = Counter("vllm:request_success", "Finished requests.",
+                                       [*labels, "finished_reason"], registry=own)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_TTFT_BUCKETS, registry=own)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token of a request.",
+                              labels, buckets=_TPOT_BUCKETS, registry=own)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             labels, buckets=_TPOT_BUCKETS, registry=own)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=own)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time a request waited in the engine.",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=own)
+        self.http_requests = Counter("dpserve:frontend_http_requests", "HTTP requests by endpoint and status.",
+                                     ["endpoint", "status"], registry=own)
+        self.aborted = Counter("dpserve:frontend_aborted_requests", "Sequences aborted by the frontend "
+                               "(client gone, stop string, shutdown).", registry=own)
+        self.resent = Counter("dpserve:frontend_resent_requests", "Sequences re-sent after their rank went away.",
+                              registry=own)
+        self.engine_errors = Counter("dpserve:frontend_engine_errors", "Sequences that ended with an engine error.",
+                                     ["engine"], registry=own)
+        self.model_name = model_name
+
+    def set_model_name(self, name: str) -> None:
+        self.model_name = name
+        self._snapshot.model_name = name
+
+    def update_snapshot(self, snapshot: LoadSnapshot) -> None:
+        self._snapshot.snapshot = snapshot
+
+    def observe_finished(
+        self,
+        rank: int,
+        finished_reason: str,
+        num_generation_tokens: int,
+        arrival_s: float,
+        first_token_s: float | None,
+        last_token_s: float | None,
+        queue_time_s: float | None = None,
+    ) -> None:
+        """One finished sequence (tokens counted here; prompt tokens once per prompt, see `count_prompt`)."""
+        labels = (self.model_name, str(rank))
+        self.generation_tokens.labels(*labels).inc(num_generation_tokens)
+        self.request_success.labels(*labels, finished_reason).inc()
+        end_s = last_token_s or time.perf_counter()
+        self.e2e.labels(*labels).observe(max(0.0, end_s - arrival_s))
+        if first_token_s is not None:
+            self.ttft.labels(*labels).observe(max(0.0, first_token_s - arrival_s))
+            if num_generation_tokens > 1 and last_token_s is not None:
+                self.tpot.labels(*labels).observe((last_token_s - first_token_s) / (num_generation_tokens - 1))
+        if queue_time_s is not None:
+            self.queue_time.labels(*labels).observe(queue_time_s)
+
+    def count_prompt(self, rank: int, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name, str(rank)).inc(num_prompt_tokens)
+
+    def observe_itl(self, rank: int, seconds: float) -> None:
+        self.itl.labels(self.model_name, str(rank)).observe(seconds)
+
+    def render(self) -> bytes:
+        registry = self._registry
+        if self._multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+        registry.register(self._snapshot)
+        try:
+            return generate_latest(registry)
+        finally:
+            registry.unregister(self._snapshot)

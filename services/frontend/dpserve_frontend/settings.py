@@ -1,0 +1,73 @@
+"""The frontend's settings: one frozen dataclass, built from the command line (and DPSERVE_* variables)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import uuid
+
+ENV_PREFIX = "DPSERVE_"
+API_KEY_ENV = "DPSERVE_API_KEY"
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontendSettings:
+    coordinator_addr: str | None = None  # tcp://HOST:PORT of the coordinator's control socket; None: no coordinator
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # never logged
+    frontend_id: str = dataclasses.field(default_factory=lambda: f"fe-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    log_level: str = "info"
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may run before they are aborted
+    register_timeout_s: float = 0.0  # 0 = keep retrying until the coordinator answers
+    heartbeat_interval_s: float = 1.0
+    stats_interval_s: float = 10.0  # the periodic per-rank stats log line
+    coordinator_silence_s: float = 5.0  # no broadcast for this long: register again (the coordinator restarted)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dpserve-frontend",
+        description=(
+            "dpserve's OpenAI-compatible HTTP frontend. Registers with the coordinator, receives the topology "
+            "(engine addresses, tokenizer, chat template), connects to every engine rank and routes each request "
+            "to the least-loaded one. Several frontends may share one port (SO_REUSEPORT)."
+        ),
+    )
+    parser.add_argument("--coordinator", required=True, metavar="tcp://HOST:PORT",
+                        help="the coordinator's control address (dpserve serve's --data-parallel-rpc-port)")
+    parser.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port, shared with SO_REUSEPORT (default: 8000)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
+    parser.add_argument("--frontend-id", default=None, help="this frontend's id (default: fe-<host>-<random>)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, how long in-flight requests may finish before being aborted (default: 30)")
+    parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
+                        help="interval of the per-rank stats log line, 0 = off (default: 10)")
+    return parser
+
+
+def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
+    args = build_parser().parse_args(argv)
+    if not args.coordinator.startswith(("tcp://", "ipc://", "inproc://")):
+        raise SystemExit(f"--coordinator must be a ZMQ address like tcp://HOST:PORT, got {args.coordinator!r}")
+    if not 0 < args.port < 65536:
+        raise SystemExit(f"--port must be in 1..65535, got {args.port}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    kwargs = {}
+    if args.frontend_id:
+        kwargs["frontend_id"] = args.frontend_id
+    return FrontendSettings(
+        coordinator_addr=args.coordinator,
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        stats_interval_s=args.stats_interval,
+        **kwargs,
+    )

@@ -1,0 +1,92 @@
+"""What one frontend process knows: the model, the engines, the router, the metrics. Shared by the handlers."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from dpserve_shared.schema import EngineLoad, LoadSnapshot, ModelInfo, Topology
+
+from dpserve_frontend.engine_pool import EnginePool
+from dpserve_frontend.errors import BadRequest, ModelNotFound, ServiceUnavailable
+from dpserve_frontend.metrics import FrontendMetrics
+from dpserve_frontend.router import Router
+from dpserve_frontend.settings import FrontendSettings
+from dpserve_frontend.tokenizer import ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class FrontendState:
+    def __init__(self, settings: FrontendSettings, model_info: ModelInfo | None = None):
+        self.settings = settings
+        self.router = Router()
+        self.metrics = FrontendMetrics()
+        self.pool = EnginePool(
+            settings.frontend_id,
+            self.router,
+            on_engine_load=self._on_engine_load,
+            on_resend=self.metrics.resent.inc,
+        )
+        self.tokenizer: ModelTokenizer | None = None
+        self.model_info: ModelInfo | None = None
+        self.snapshot: LoadSnapshot | None = None
+        self.engine_loads: dict[int, EngineLoad] = {}  # newest per rank (snapshot or piggybacked on outputs)
+        self.is_draining = False
+        self.num_http_in_flight = 0
+        self.started_at = time.time()
+        if model_info is not None:
+            self.set_model(model_info)
+
+    # -- updates from the coordinator -------------------------------------------------------------------------
+
+    def set_model(self, info: ModelInfo) -> None:
+        if self.model_info is not None and info.tokenizer_json == self.model_info.tokenizer_json:
+            if info != self.model_info:
+                self.model_info = info
+                self.tokenizer = ModelTokenizer(info)  # template or limits changed; cheap next to a request
+            return
+        log.info("model %s (max_model_len %d, vocab %d)", info.name, info.max_model_len, info.vocab_size)
+        self.tokenizer = ModelTokenizer(info)
+        self.model_info = info
+        self.metrics.set_model_name(info.name)
+
+    def apply_topology(self, topology: Topology) -> None:
+        if topology.model is not None:
+            self.set_model(topology.model)
+        self.pool.apply_topology(topology)
+
+    def apply_snapshot(self, snapshot: LoadSnapshot) -> None:
+        if self.snapshot is not None and snapshot.timestamp and snapshot.timestamp < self.snapshot.timestamp:
+            return
+        self.snapshot = snapshot
+        self.router.update_snapshot(snapshot.loads)
+        self.pool.waves.on_snapshot(snapshot.wave, snapshot.engines_running)
+        self.metrics.update_snapshot(snapshot)
+        for load in snapshot.loads:
+            self.engine_loads[load.rank] = load
+
+    def _on_engine_load(self, load: EngineLoad) -> None:
+        self.engine_loads[load.rank] = load
+
+    # -- checks for handlers ----------------------------------------------------------------------------------
+
+    def require_model(self, requested: str | None) -> tuple[ModelInfo, ModelTokenizer]:
+        """The served model (404 for another name, 503 before any engine has told us about it)."""
+        if self.model_info is None or self.tokenizer is None:
+            raise ServiceUnavailable("no engine has registered yet; the model is not known")
+        if requested is not None and requested not in (self.model_info.name, self.model_info.root):
+            raise ModelNotFound(f"The model `{requested}` does not exist.", param="model")
+        return self.model_info, self.tokenizer
+
+    def check_can_serve(self, pinned_rank: int | None) -> None:
+        if self.is_draining:
+            raise ServiceUnavailable("the server is shutting down")
+        serving = self.router.serving_ranks
+        if pinned_rank is not None and pinned_rank not in serving:
+            raise BadRequest(
+                f"X-data-parallel-rank {pinned_rank} is not a serving rank; serving ranks: {serving}",
+                param="X-data-parallel-rank",
+            )
+        if not serving:
+            raise ServiceUnavailable("no engine rank is serving")

@@ -1,0 +1,83 @@
+"""The model's tokenizer and chat template, built from the `ModelInfo` the engines publish (no model files)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from dpserve_shared.schema import ModelInfo
+
+from dpserve_frontend.errors import BadRequest
+
+
+class ChatTemplateError(BadRequest):
+    pass
+
+
+def _raise_exception(message: str):
+    # transformers' templates call raise_exception("...") to reject a conversation.
+    raise ChatTemplateError(f"chat template error: {message}")
+
+
+class ModelTokenizer:
+    """Encode / decode / chat template for one model. Built once per ModelInfo; the template is compiled once."""
+
+    def __init__(self, info: ModelInfo):
+        self.info = info
+        self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
+        self.vocab_size = max(info.vocab_size, self.tokenizer.get_vocab_size(with_added_tokens=True))
+        self._template = None
+        if info.chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            self._template = env.from_string(info.chat_template)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.info.bos_token_id
+        if add_special_tokens and self.info.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 (one tokenizer per model, lives as long as the process)
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs show it (special tokens included, partial UTF-8 as U+FFFD)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        if self._template is None:
+            raise ChatTemplateError(
+                f"model {self.info.name!r} has no chat template; use /v1/completions or a model that has one"
+            )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.info.bos_token or "",
+                eos_token=self.info.eos_token or "",
+                **kwargs,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e}") from e
+        except (TypeError, KeyError, ValueError) as e:
+            raise ChatTemplateError(f"the messages do not fit the model's chat template: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any):
+        """(prompt text, prompt ids). The template writes any BOS itself, so no special tokens are added."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return text, self.tokenizer.encode(text, add_special_tokens=False).ids
