@@ -22,6 +22,13 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available, else cpu
     num_threads: int | None = None  # torch threads on CPU; None = torch's default
     seed: int = 0
+    # "auto": float32 on CPU, the bf16 mix on CUDA. "bfloat16" on CPU = bf16 weights with fp32 activations, KV and
+    # LM head (~1.45x faster decode at batch 64, but measured to change 1-2 of 5 greedy answers and to make greedy
+    # output depend on the batch; docs/benchmarks.md); "float32" everywhere.
+    dtype: str = "auto"
+    # "int4": the GGUF's Q4_1 linear weights run as torch's CPU int4 kernel (groups repacked, not requantized;
+    # LM head fp32); None: dequantized weights in `dtype`.
+    quantization: str | None = None
     null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
     null_step_time_s: float = 0.0
     cache_dir: str = dataclasses.field(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import orjson
 from aiohttp import web
 
 from dpserve_shared.schema import SamplingParams, TokenLogprob
@@ -12,12 +13,15 @@ from dpserve_frontend.errors import APIError, BadRequest
 from dpserve_frontend.generation import Generation, GenerationSpec, PromptInput, SeqDelta, new_request_id
 from dpserve_frontend.http_util import (
     SSEStream,
+    chunk_template,
     clean_logprob,
     json_response,
     pinned_rank,
     read_request,
     resolve_max_tokens,
+    sse_event,
     usage,
+    usage_suffix,
 )
 from dpserve_frontend.protocol import (
     MAX_LOGPROBS,
@@ -137,6 +141,10 @@ class _ChatCompletion:
         self.model = state.model_info.name
         self.id = generation.request_id
         self.created = int(time.time())
+        # Plain content deltas (no logprobs) are written from byte templates.
+        self._fast = not req.logprobs
+        self._running_usage = self.include_usage and req.stream_options.continuous_usage_stats
+        self._prefix, self._suffix = chunk_template(self.chunk([])) if self._fast else (b"", b"")
 
     @property
     def include_usage(self) -> bool:
@@ -173,6 +181,18 @@ class _ChatCompletion:
         if delta.finish_reason is not None:
             choice["stop_reason"] = delta.seq.stop_reason
         return choice
+
+    def delta_event(self, delta: SeqDelta) -> bytes | None:
+        """The SSE event for one delta, or None when it has nothing to send."""
+        if self._fast and delta.finish_reason is None:
+            if not delta.text:
+                return None  # as `delta_choice`: nothing to say without logprobs
+            # {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+            suffix = usage_suffix(self.generation) if self._running_usage else self._suffix
+            return b"".join((self._prefix, b'{"index":%d,"delta":{"content":' % delta.seq.index,
+                             orjson.dumps(delta.text), b'},"logprobs":null,"finish_reason":null}', suffix))
+        choice = self.delta_choice(delta)
+        return None if choice is None else sse_event(self.chunk([choice]))
 
     def final(self) -> dict:
         choices = []
@@ -212,14 +232,14 @@ async def create_chat_completion(request: web.Request, state: FrontendState) -> 
             for seq in generation.seqs:
                 await stream.send(chat.role_chunk(seq.index))
             async for batch in generation.deltas():
-                for delta in batch:
-                    choice = chat.delta_choice(delta)
-                    if choice is not None:
-                        await stream.send(chat.chunk([choice]))
-            if chat.include_usage:
-                await stream.send({**chat.chunk([]), "usage": usage(generation)})
+                events = [event for event in map(chat.delta_event, batch) if event is not None]
+                if events:
+                    await stream.send_events(events)
         except APIError as e:
             await stream.send_error(e)
-        return await stream.done()
+            return await stream.done()
+        # the usage chunk (if asked) goes out with [DONE]
+        last = (sse_event({**chat.chunk([]), "usage": usage(generation)}),) if chat.include_usage else ()
+        return await stream.done(last)
     finally:
         generation.close()

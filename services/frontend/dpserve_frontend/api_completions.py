@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import orjson
 from aiohttp import web
 
 from dpserve_shared.schema import SamplingParams, TokenLogprob
@@ -12,12 +13,15 @@ from dpserve_frontend.errors import APIError, BadRequest
 from dpserve_frontend.generation import Generation, GenerationSpec, PromptInput, SeqDelta, Sequence, new_request_id
 from dpserve_frontend.http_util import (
     SSEStream,
+    chunk_template,
     clean_logprob,
     json_response,
     pinned_rank,
     read_request,
     resolve_max_tokens,
+    sse_event,
     usage,
+    usage_suffix,
 )
 from dpserve_frontend.protocol import (
     MAX_LOGPROBS,
@@ -130,6 +134,10 @@ class _Completion:
         self.id = generation.request_id
         self.created = int(time.time())
         self._num_sent_chars: dict[int, int] = {}  # per choice, characters streamed so far (for text_offset)
+        # Plain text deltas (no echo, no logprobs) are written from byte templates.
+        self._fast = not req.echo and req.logprobs is None
+        self._running_usage = self.include_usage and req.stream_options.continuous_usage_stats
+        self._prefix, self._suffix = chunk_template(self.chunk([])) if self._fast else (b"", b"")
 
     def echo_prefix(self, seq: Sequence) -> tuple[str, list[int], list[TokenLogprob | None]]:
         prompt = self.generation.spec.prompts[seq.prompt_index]
@@ -168,6 +176,18 @@ class _Completion:
         offset = self._num_sent_chars.get(seq.index, 0)
         self._num_sent_chars[seq.index] = offset + len(text)
         return self.choice(seq, text, token_ids, logprobs, delta.finish_reason, offset)
+
+    def delta_event(self, delta: SeqDelta) -> bytes | None:
+        """The SSE event for one delta, or None when it has nothing to send."""
+        if self._fast and delta.finish_reason is None:
+            if not delta.text and not delta.num_tokens:
+                return None
+            # {"index": i, "text": text, "logprobs": None, "finish_reason": None}, as `delta_choice` builds it
+            suffix = usage_suffix(self.generation) if self._running_usage else self._suffix
+            return b"".join((self._prefix, b'{"index":%d,"text":' % delta.seq.index, orjson.dumps(delta.text),
+                             b',"logprobs":null,"finish_reason":null}', suffix))
+        choice = self.delta_choice(delta)
+        return None if choice is None else sse_event(self.chunk([choice]))
 
     def chunk(self, choices: list[dict]) -> dict:
         chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -214,14 +234,14 @@ async def create_completion(request: web.Request, state: FrontendState) -> web.S
         await stream.prepare()
         try:
             async for batch in generation.deltas():
-                for delta in batch:
-                    choice = completion.delta_choice(delta)
-                    if choice is not None:
-                        await stream.send(completion.chunk([choice]))
-            if completion.include_usage:
-                await stream.send({**completion.chunk([]), "usage": usage(generation)})
+                events = [event for event in map(completion.delta_event, batch) if event is not None]
+                if events:
+                    await stream.send_events(events)
         except APIError as e:
             await stream.send_error(e)
-        return await stream.done()
+            return await stream.done()
+        # the usage chunk (if asked) goes out with [DONE]
+        last = (sse_event({**completion.chunk([]), "usage": usage(generation)}),) if completion.include_usage else ()
+        return await stream.done(last)
     finally:
         generation.close()

@@ -47,7 +47,7 @@ async def count_requests(request: web.Request, handler):
         return response
     finally:
         state.num_http_in_flight -= 1
-        state.metrics.http_requests.labels(endpoint, str(status)).inc()
+        state.metrics.count_http(endpoint, status)
 
 
 def _auth_middleware(api_key: str):

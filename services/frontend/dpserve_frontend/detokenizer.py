@@ -61,6 +61,25 @@ class IncrementalDetokenizer:
                 self._check_stop(start, len(piece))
         return piece
 
+    def add_tokens(self, token_ids: list[int]) -> int:
+        """Add tokens in order, as `add_token` each, up to a stop string; return how many were taken."""
+        if self.stop_reason is not None:
+            return 0
+        if self._stop:
+            for i, token_id in enumerate(token_ids):
+                self.add_token(token_id)
+                if self.stop_reason is not None:
+                    return i + 1
+            return len(token_ids)
+        # No stop strings: nothing to check per piece, so only the stream and the text move.
+        step, tokenizer = self._stream.step, self._tokenizer
+        self._token_ids.extend(token_ids)
+        for token_id in token_ids:
+            piece = step(tokenizer, token_id)
+            if piece:
+                self.text += piece
+        return len(token_ids)
+
     def finish(self) -> str:
         """The sequence ended: release undecodable trailing bytes (as U+FFFD, like a full decode does)."""
         if self.is_stopped or not self._token_ids:

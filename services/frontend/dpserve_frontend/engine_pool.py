@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 OutputQueue = asyncio.Queue  # items: (seq_index, RequestOutput)
 
+_MAX_DRAIN = 512  # messages taken per wake-up of a receive task before it yields to the loop
+
 
 @dataclasses.dataclass
 class _InFlight:
@@ -205,29 +207,50 @@ class EnginePool:
         self._engines[rank].socket.send(encode(message))
 
     async def _recv_loop(self, conn: _EngineConn) -> None:
-        decoder = frontend_decoder()
+        # Await one message, then drain whatever else is queued with plain non-blocking receives on a
+        # synchronous shadow of the same socket: one zmq.asyncio future per wake-up instead of one per message
+        # (its per-receive bookkeeping costs more than decoding an EngineOutputs). Bounded so that a flood
+        # cannot starve the HTTP handlers of the loop.
+        decode = frontend_decoder().decode
+        handle = self._handle
+        sync = zmq.Socket.shadow(conn.socket.underlying)
+        recv_async = conn.socket.recv
+        recv_now = sync.recv
+        again = zmq.Again
+        noblock = zmq.NOBLOCK
         while True:
-            data = await conn.socket.recv()
-            try:
-                message = decoder.decode(data)
-            except msgspec.DecodeError as e:
-                log.error("undecodable message from engine rank %d: %s", conn.rank, e)
-                continue
-            if isinstance(message, EngineOutputs):
-                self._dispatch(message)
-            elif isinstance(message, EngineHello):
-                log.debug("engine rank %d said hello", message.engine_rank)
+            handle(conn, decode, await recv_async())
+            for _ in range(_MAX_DRAIN):
+                try:
+                    data = recv_now(noblock)
+                except again:
+                    break
+                handle(conn, decode, data)
+            else:
+                await asyncio.sleep(0)  # still more: let the handlers run first
+
+    def _handle(self, conn: _EngineConn, decode, data: bytes) -> None:
+        try:
+            message = decode(data)
+        except msgspec.DecodeError as e:
+            log.error("undecodable message from engine rank %d: %s", conn.rank, e)
+            return
+        if type(message) is EngineOutputs:
+            self._dispatch(message)
+        elif isinstance(message, EngineHello):
+            log.debug("engine rank %d said hello", message.engine_rank)
 
     def _dispatch(self, message: EngineOutputs) -> None:
         if message.load is not None and self._on_engine_load is not None:
             self._on_engine_load(message.load)
+        in_flight = self._in_flight
         for output in message.outputs:
-            entry = self._in_flight.get(output.request_id)
+            entry = in_flight.get(output.request_id)
             if entry is None:
                 continue  # aborted or finished here already
             entry.num_tokens += len(output.new_token_ids)
             if output.finish_reason is not None:
-                del self._in_flight[output.request_id]
+                del in_flight[output.request_id]
             entry.queue.put_nowait((entry.seq_index, output))
 
     async def close(self) -> None:

@@ -69,7 +69,7 @@ class Sequence:
         return self.detokenizer.text
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class SeqDelta:
     seq: Sequence
     text: str
@@ -97,6 +97,7 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._arrival_s = arrival_s if arrival_s is not None else time.perf_counter()  # for TTFT / e2e
         self._is_closed = False
+        self._itls: list[float] = []  # inter-token gaps not yet observed (the histogram is fed per request)
         tokenizer = state.tokenizer
         assert tokenizer is not None
         self.seqs: list[Sequence] = []
@@ -150,16 +151,20 @@ class Generation:
     async def deltas(self) -> AsyncIterator[list[SeqDelta]]:
         """Yields the deltas of each batch of engine outputs until every sequence finished."""
         num_unfinished = sum(not s.is_finished for s in self.seqs)
+        queue = self._queue
+        seqs = self.seqs
+        apply = self._apply
         while num_unfinished:
-            items = [await self._queue.get()]
-            while not self._queue.empty():
-                items.append(self._queue.get_nowait())
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            now = time.perf_counter()  # one clock read per batch: these outputs arrived together
             batch = []
             for seq_index, output in items:
-                seq = self.seqs[seq_index]
-                if seq.is_finished:
+                seq = seqs[seq_index]
+                if seq.finish_reason is not None:
                     continue
-                delta = self._apply(seq, output)
+                delta = apply(seq, output, now)
                 if delta.finish_reason is not None:
                     num_unfinished -= 1
                 if delta.text or delta.num_tokens or delta.finish_reason:
@@ -168,9 +173,11 @@ class Generation:
                 yield batch
         self._finish_metrics()
 
-    def _apply(self, seq: Sequence, output: RequestOutput) -> SeqDelta:
-        now = time.perf_counter()
-        if output.finish_reason == FinishReason.ERROR or output.finish_reason == FinishReason.ABORT:
+    def _apply(self, seq: Sequence, output: RequestOutput, now: float | None = None) -> SeqDelta:
+        if now is None:
+            now = time.perf_counter()
+        finish_reason = output.finish_reason
+        if finish_reason is not None and (finish_reason == FinishReason.ERROR or finish_reason == FinishReason.ABORT):
             self.close()
             self._state.metrics.engine_errors.labels(str(self.rank)).inc()
             reason = output.error or "the engine aborted the request"
@@ -179,43 +186,56 @@ class Generation:
             seq.num_cached_tokens = output.num_cached_tokens
             seq.queue_time_s = output.queue_time_s
             seq.prompt_logprobs = output.prompt_logprobs
-        num_before = len(seq.token_ids)
+        token_ids = seq.token_ids
+        num_before = len(token_ids)
         detok = seq.detokenizer
-        for i, token_id in enumerate(output.new_token_ids):
-            seq.token_ids.append(token_id)
-            if output.new_logprobs is not None and i < len(output.new_logprobs):
-                seq.logprobs.append(output.new_logprobs[i])
-            detok.add_token(token_id)
-            if detok.is_stopped:
-                break
-        if output.new_token_ids:
+        new_token_ids = output.new_token_ids
+        if new_token_ids:
+            new_logprobs = output.new_logprobs
+            if new_logprobs is None:
+                token_ids.extend(new_token_ids[: detok.add_tokens(new_token_ids)])
+            else:
+                for i, token_id in enumerate(new_token_ids):
+                    token_ids.append(token_id)
+                    if i < len(new_logprobs):
+                        seq.logprobs.append(new_logprobs[i])
+                    detok.add_token(token_id)
+                    if detok.is_stopped:
+                        break
             if seq.first_token_s is None:
                 seq.first_token_s = now
             elif seq.last_token_s is not None:
-                self._state.metrics.observe_itl(self.rank, now - seq.last_token_s)
+                self._itls.append(now - seq.last_token_s)
             seq.last_token_s = now
         if detok.is_stopped:
             seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
-            if output.finish_reason is None:
+            if finish_reason is None:
                 self._state.pool.abort([seq.request_id])
-        elif output.finish_reason is not None:
+        elif finish_reason is not None:
             detok.finish()
             if detok.is_stopped:  # the released tail completed a stop string
                 seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
             else:
-                seq.finish_reason, seq.stop_reason = output.finish_reason.value, output.stop_reason
-        text = detok.take_new_text(seq.is_finished)
-        return SeqDelta(seq, text, num_before, len(seq.token_ids) - num_before, seq.finish_reason)
+                seq.finish_reason, seq.stop_reason = finish_reason.value, output.stop_reason
+        text = detok.take_new_text(seq.finish_reason is not None)
+        return SeqDelta(seq, text, num_before, len(token_ids) - num_before, seq.finish_reason)
+
+    def _flush_itls(self) -> None:
+        if self._itls:
+            itls, self._itls = self._itls, []
+            self._state.metrics.observe_itls(self.rank, itls)
 
     def _finish_metrics(self) -> None:
         metrics = self._state.metrics
-        for prompt in self.spec.prompts:
-            metrics.count_prompt(self.rank, len(prompt.token_ids))
+        self._flush_itls()
+        metrics.count_prompt(self.rank, self.num_prompt_tokens)
         for seq in self.seqs:
             metrics.observe_finished(
                 self.rank, seq.finish_reason or "abort", len(seq.token_ids), self._arrival_s,
                 seq.first_token_s, seq.last_token_s, seq.queue_time_s,
             )
+        if not log.isEnabledFor(logging.DEBUG):
+            return
         first = self.seqs[0]
         ttft = f"{first.first_token_s - self._arrival_s:.3f}" if first.first_token_s is not None else "-"
         log.debug(
@@ -231,6 +251,7 @@ class Generation:
         if self._is_closed:
             return
         self._is_closed = True
+        self._flush_itls()  # what an unfinished request measured still counts
         unfinished = [s.request_id for s in self.seqs if not s.is_finished]
         if unfinished and self.rank >= 0:
             self._state.pool.abort(unfinished)

@@ -73,6 +73,33 @@ def usage(generation: Generation) -> dict:
     }
 
 
+def sse_event(obj) -> bytes:
+    """One server-sent event: `data: {json}\n\n`."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def chunk_template(head: dict) -> tuple[bytes, bytes]:
+    """The bytes of a streamed chunk's event before and after its `choices` list (the per-token fast path).
+
+    `head` is the chunk object with `choices` last but for `usage`; `prefix + b",".join(encoded choices) +
+    suffix` is byte for byte `sse_event` of it with those choices: orjson writes compact JSON in insertion order.
+    """
+    keys = list(head)
+    if keys[-1] == "usage":
+        keys.pop()
+    if keys[-1] != "choices":
+        raise ValueError("a chunk template needs `choices` last (before `usage`)")
+    fields = {k: head[k] for k in keys[:-1]}
+    prefix = b"data: " + orjson.dumps(fields)[:-1] + b',"choices":['
+    usage = b',"usage":' + orjson.dumps(head["usage"]) if "usage" in head else b""
+    return prefix, b"]" + usage + b"}\n\n"
+
+
+def usage_suffix(generation: Generation) -> bytes:
+    """The end of a chunk template's event with the running usage (`continuous_usage_stats`)."""
+    return b'],"usage":' + orjson.dumps(usage(generation)) + b"}\n\n"
+
+
 def clean_logprob(value: float) -> float:
     if math.isnan(value):
         return MIN_LOGPROB
@@ -93,12 +120,16 @@ class SSEStream:
         await self.response.prepare(self._request)
 
     async def send(self, obj) -> None:
-        await self.response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+        await self.response.write(sse_event(obj))
+
+    async def send_events(self, events: list[bytes]) -> None:
+        """Several encoded events (one engine step's deltas) in one write."""
+        await self.response.write(events[0] if len(events) == 1 else b"".join(events))
 
     async def send_error(self, error: APIError) -> None:
         await self.send(error.to_dict())
 
-    async def done(self) -> web.StreamResponse:
-        await self.response.write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
+    async def done(self, last_events: tuple[bytes, ...] = ()) -> web.StreamResponse:
+        """`last_events` (the usage chunk), `data: [DONE]` and the end of the body, in one write."""
+        await self.response.write_eof(b"".join((*last_events, b"data: [DONE]\n\n")))
         return self.response

@@ -13,8 +13,10 @@ Two sources, so nothing is counted twice when M frontends serve one port:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -72,6 +74,43 @@ class _SnapshotCollector:
         return [running, waiting, kv, queries, hits, preemptions, wave, is_running]
 
 
+def observe_many(histogram, values: list[float]) -> None:
+    """`histogram.observe(v)` for every v, with one increment per touched bucket and one of the sum.
+
+    In multiprocess mode every increment takes a lock and writes the mmap file, so a request's inter-token
+    gaps (one per engine step) are observed together. Buckets are stored non-cumulatively (prometheus_client
+    sums them at export), and a value goes to the first bucket whose upper bound is >= it, as `observe` does.
+    """
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None:  # another prometheus_client layout
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        i = bisect_left(bounds, value)
+        counts[i] = counts.get(i, 0) + 1
+    total.inc(sum(values))
+    for i, count in counts.items():
+        buckets[i].inc(count)
+
+
+@dataclasses.dataclass(slots=True)
+class _RankSeries:
+    """One rank's labelled children, looked up once (`labels()` takes a lock and builds a key every call)."""
+
+    prompt_tokens: object
+    generation_tokens: object
+    ttft: object
+    tpot: object
+    itl: object
+    e2e: object
+    queue_time: object
+    success: dict  # finished_reason -> child
+
+
 class FrontendMetrics:
     """Every series this frontend records; `render()` gives the Prometheus text for /metrics."""
 
@@ -105,10 +144,32 @@ class FrontendMetrics:
         self.engine_errors = Counter("dpserve:frontend_engine_errors", "Sequences that ended with an engine error.",
                                      ["engine"], registry=own)
         self.model_name = model_name
+        self._by_rank: dict[int, _RankSeries] = {}
+        self._http: dict[tuple[str, str], object] = {}
 
     def set_model_name(self, name: str) -> None:
         self.model_name = name
         self._snapshot.model_name = name
+        self._by_rank.clear()
+
+    def _rank(self, rank: int) -> _RankSeries:
+        series = self._by_rank.get(rank)
+        if series is None:
+            labels = (self.model_name, str(rank))
+            series = _RankSeries(
+                self.prompt_tokens.labels(*labels), self.generation_tokens.labels(*labels),
+                self.ttft.labels(*labels), self.tpot.labels(*labels), self.itl.labels(*labels),
+                self.e2e.labels(*labels), self.queue_time.labels(*labels), {},
+            )
+            self._by_rank[rank] = series
+        return series
+
+    def count_http(self, endpoint: str, status: int) -> None:
+        key = (endpoint, str(status))
+        child = self._http.get(key)
+        if child is None:
+            child = self._http[key] = self.http_requests.labels(*key)
+        child.inc()
 
     def update_snapshot(self, snapshot: LoadSnapshot) -> None:
         self._snapshot.snapshot = snapshot
@@ -124,23 +185,32 @@ class FrontendMetrics:
         queue_time_s: float | None = None,
     ) -> None:
         """One finished sequence (tokens counted here; prompt tokens once per prompt, see `count_prompt`)."""
-        labels = (self.model_name, str(rank))
-        self.generation_tokens.labels(*labels).inc(num_generation_tokens)
-        self.request_success.labels(*labels, finished_reason).inc()
+        series = self._rank(rank)
+        series.generation_tokens.inc(num_generation_tokens)
+        success = series.success.get(finished_reason)
+        if success is None:
+            success = series.success[finished_reason] = self.request_success.labels(
+                self.model_name, str(rank), finished_reason
+            )
+        success.inc()
         end_s = last_token_s or time.perf_counter()
-        self.e2e.labels(*labels).observe(max(0.0, end_s - arrival_s))
+        series.e2e.observe(max(0.0, end_s - arrival_s))
         if first_token_s is not None:
-            self.ttft.labels(*labels).observe(max(0.0, first_token_s - arrival_s))
+            series.ttft.observe(max(0.0, first_token_s - arrival_s))
             if num_generation_tokens > 1 and last_token_s is not None:
-                self.tpot.labels(*labels).observe((last_token_s - first_token_s) / (num_generation_tokens - 1))
+                series.tpot.observe((last_token_s - first_token_s) / (num_generation_tokens - 1))
         if queue_time_s is not None:
-            self.queue_time.labels(*labels).observe(queue_time_s)
+            series.queue_time.observe(queue_time_s)
 
     def count_prompt(self, rank: int, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.labels(self.model_name, str(rank)).inc(num_prompt_tokens)
+        self._rank(rank).prompt_tokens.inc(num_prompt_tokens)
 
     def observe_itl(self, rank: int, seconds: float) -> None:
-        self.itl.labels(self.model_name, str(rank)).observe(seconds)
+        self._rank(rank).itl.observe(seconds)
+
+    def observe_itls(self, rank: int, seconds: list[float]) -> None:
+        """Several inter-token gaps of one request at once (see `observe_many`)."""
+        observe_many(self._rank(rank).itl, seconds)
 
     def render(self) -> bytes:
         registry = self._registry

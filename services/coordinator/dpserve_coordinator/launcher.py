@@ -1,0 +1,108 @@
+"""How engine processes get started: the launcher interface and the mp backend (local child processes).
+
+Both backends start the same command, `python -m dpserve_engine.service --coordinator ... --rank R ...`; the
+engine then registers over ZMQ by itself, so a launcher only starts, supervises and stops processes. The ray
+backend (ray_backend.py) runs the command from an actor placed in the rank's placement group.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+from dpserve_coordinator.settings import CoordinatorSettings
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(Exception):
+    """The engines cannot be started (placement impossible, Ray unreachable...)."""
+
+
+def engine_command(settings: CoordinatorSettings, rank: int, host: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "dpserve_engine.service",
+        "--coordinator",
+        settings.control_addr,
+        "--rank",
+        str(rank),
+        "--host",
+        host,
+        *settings.engine_args,
+    ]
+
+
+class EngineLauncher(abc.ABC):
+    """Starts, watches and stops the engine process of each rank."""
+
+    @abc.abstractmethod
+    async def start(self, rank: int) -> None:
+        """Start (or restart) the rank's engine process; returns once it is launched, not registered."""
+
+    @abc.abstractmethod
+    async def wait_exit(self, rank: int) -> str:
+        """Resolve when the rank's engine process is gone, with a reason for the logs."""
+
+    @abc.abstractmethod
+    async def close(self, timeout_s: float) -> None:
+        """Stop every engine (SIGTERM, then SIGKILL after `timeout_s`) and release what was reserved."""
+
+    @abc.abstractmethod
+    def kill_now(self) -> None:
+        """Second signal: kill everything at once, synchronously."""
+
+    def describe(self, rank: int) -> str:
+        return ""
+
+
+class MpLauncher(EngineLauncher):
+    """Engines as local child processes (single node, no Ray)."""
+
+    def __init__(self, settings: CoordinatorSettings):
+        self._settings = settings
+        self._procs: dict[int, subprocess.Popen] = {}
+        # Like Ray's 1-CPU bundles: split the cores between the local engines unless told otherwise.
+        num_threads = max(1, (os.cpu_count() or 1) // max(1, settings.data_parallel_size))
+        self._env = dict(os.environ)
+        self._env.setdefault("OMP_NUM_THREADS", str(num_threads))
+
+    async def start(self, rank: int) -> None:
+        cmd = engine_command(self._settings, rank, self._settings.data_parallel_address)
+        self._procs[rank] = subprocess.Popen(cmd, env=self._env, stdin=subprocess.DEVNULL)
+        log.info("rank %d: started engine process pid %d", rank, self._procs[rank].pid)
+
+    async def wait_exit(self, rank: int) -> str:
+        proc = self._procs[rank]
+        while proc.poll() is None:
+            await asyncio.sleep(0.2)
+        return f"engine process {proc.pid} exited with code {proc.returncode}"
+
+    def describe(self, rank: int) -> str:
+        proc = self._procs.get(rank)
+        return f"pid {proc.pid}" if proc else ""
+
+    async def close(self, timeout_s: float) -> None:
+        alive = [p for p in self._procs.values() if p.poll() is None]
+        for proc in alive:
+            proc.send_signal(signal.SIGTERM)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(p.poll() is None for p in alive) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        self.kill_now()
+
+    def kill_now(self) -> None:
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("engine process %d did not die after SIGKILL", proc.pid)

@@ -1,0 +1,122 @@
+"""Placement planning: which node each rank goes to and which Ray bundles it reserves. No Ray imports.
+
+One STRICT_PACK placement group per rank. Bundle 0 is the rank's device (`{"GPU": 1}` when the cluster has
+GPUs, else `{"CPU": 1}`), bundle 1 is `{"CPU": 1}` for the engine-host actor. The first
+`data_parallel_size_local` ranks are pinned to the head node (the node the coordinator runs on) through a tiny
+amount of its `node:<ip>` resource; the others go to the other nodes, filled in node order. A layout that cannot
+fit fails here, before anything is reserved, with a message that names the missing resources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+DEVICE_BUNDLE = 0
+ACTOR_BUNDLE = 1
+_HEAD_PIN = 0.001
+
+
+class PlacementError(Exception):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeResources:
+    node_id: str
+    node_ip: str
+    resources: Mapping[str, float]  # free resources
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlacement:
+    rank: int
+    node_ip: str
+    is_on_head: bool
+    bundles: tuple[dict[str, float], ...]
+
+
+def nodes_from_ray(ray_nodes: Iterable[Mapping], available: Mapping[str, Mapping[str, float]] | None = None):
+    """`ray.nodes()` entries (plus optional per-node free resources by node id) -> alive NodeResources."""
+    nodes = []
+    for node in ray_nodes:
+        if not node.get("Alive", node.get("alive", False)):
+            continue
+        node_id = node["NodeID"]
+        resources = (available or {}).get(node_id, node.get("Resources", {}))
+        nodes.append(NodeResources(node_id, node["NodeManagerAddress"], dict(resources)))
+    return nodes
+
+
+def rank_bundles(use_gpu: bool, head_ip: str | None) -> tuple[dict[str, float], ...]:
+    device = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+    if head_ip is not None:
+        device[f"node:{head_ip}"] = _HEAD_PIN
+    return (device, {"CPU": 1.0})
+
+
+def _needs(bundles: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            total[key] = total.get(key, 0.0) + amount
+    return total
+
+
+def _fits(free: Mapping[str, float], need: Mapping[str, float]) -> bool:
+    return all(free.get(key, 0.0) + 1e-9 >= amount for key, amount in need.items())
+
+
+def _take(free: dict[str, float], need: Mapping[str, float]) -> None:
+    for key, amount in need.items():
+        free[key] = free.get(key, 0.0) - amount
+
+
+def _describe(need: Mapping[str, float]) -> str:
+    return ", ".join(f"{key}={amount:g}" for key, amount in sorted(need.items()) if not key.startswith("node:"))
+
+
+def plan_placement(
+    nodes: list[NodeResources], head_ip: str, data_parallel_size: int, data_parallel_size_local: int
+) -> list[RankPlacement]:
+    """Place ranks 0..size-1: the first `data_parallel_size_local` on the head, the rest elsewhere."""
+    if not 0 <= data_parallel_size_local <= data_parallel_size:
+        raise PlacementError(
+            f"--data-parallel-size-local ({data_parallel_size_local}) must be between 0 and "
+            f"--data-parallel-size ({data_parallel_size})"
+        )
+    head = next((n for n in nodes if n.node_ip == head_ip), None)
+    if head is None:
+        raise PlacementError(f"the head node {head_ip} is not among the alive Ray nodes {[n.node_ip for n in nodes]}")
+    use_gpu = any(n.resources.get("GPU", 0) > 0 for n in nodes)
+    free = {n.node_id: dict(n.resources) for n in nodes}
+    plan: list[RankPlacement] = []
+
+    head_bundles = rank_bundles(use_gpu, head_ip)
+    head_need = _needs(head_bundles)
+    for rank in range(data_parallel_size_local):
+        if not _fits(free[head.node_id], head_need):
+            total = {k: v * data_parallel_size_local for k, v in _needs(rank_bundles(use_gpu, None)).items()}
+            raise PlacementError(
+                f"the head node {head_ip} cannot host {data_parallel_size_local} ranks: they need {_describe(total)}, "
+                f"it has {_describe(head.resources)} free (each rank reserves {_describe(head_need)}); "
+                "lower --data-parallel-size-local or add resources"
+            )
+        _take(free[head.node_id], head_need)
+        plan.append(RankPlacement(rank, head_ip, True, head_bundles))
+
+    other_bundles = rank_bundles(use_gpu, None)
+    other_need = _needs(other_bundles)
+    others = sorted((n for n in nodes if n.node_id != head.node_id), key=lambda n: n.node_ip)
+    for rank in range(data_parallel_size_local, data_parallel_size):
+        node = next((n for n in others if _fits(free[n.node_id], other_need)), None)
+        if node is None:
+            missing = list(range(rank, data_parallel_size))
+            have = "; ".join(f"{n.node_ip}: {_describe(free[n.node_id]) or 'nothing'}" for n in others) or "none"
+            raise PlacementError(
+                f"ranks {missing} do not fit on the non-head Ray nodes: each needs {_describe(other_need)}, "
+                f"free on other nodes: {have}; add Ray nodes or raise --data-parallel-size-local"
+            )
+        _take(free[node.node_id], other_need)
+        plan.append(RankPlacement(rank, node.node_ip, False, other_bundles))
+    return plan

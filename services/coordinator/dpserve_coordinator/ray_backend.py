@@ -1,0 +1,291 @@
+"""The ray backend: one placement group and one EngineHost actor per rank. The only module that imports Ray.
+
+The coordinator never imports the engine package. `EngineHost` is a small actor placed on the CPU bundle of the
+rank's STRICT_PACK placement group; it runs `python -m dpserve_engine.service ...` on its node (with
+CUDA_VISIBLE_DEVICES set from the GPU Ray assigned to the rank's device bundle), supervises it, and its
+`wait()` resolves when the process exits. The engine then registers over ZMQ exactly as under the mp backend.
+
+Engine processes notice a dead actor through their parent pid, so killing the actors is enough to stop them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dpserve_coordinator.launcher import EngineLauncher, LaunchError, engine_command
+from dpserve_coordinator.placement import ACTOR_BUNDLE, DEVICE_BUNDLE, PlacementError, nodes_from_ray, plan_placement
+from dpserve_coordinator.settings import CoordinatorSettings
+
+log = logging.getLogger(__name__)
+
+RAY_NAMESPACE = "dpserve"
+_PLACEMENT_TIMEOUT_S = 30.0
+
+
+def actor_name(rank: int) -> str:
+    return f"dpserve-engine-{rank}"
+
+
+@ray.remote(num_cpus=1, max_restarts=0)
+class EngineHost:
+    """Runs one engine process on this node and reports when it exits."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.proc: subprocess.Popen | None = None
+
+    async def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    async def start(self, cmd: list[str], env_overrides: dict[str, str], bind_node_ip: bool) -> int:
+        if bind_node_ip:  # ranks off the head node listen on their node's address
+            cmd = [ray.util.get_node_ip_address() if a == "{node_ip}" else a for a in cmd]
+        env = dict(os.environ)
+        env.update(env_overrides)
+        if "CUDA_VISIBLE_DEVICES" not in env_overrides:
+            env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray sets "" for an actor without GPUs
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        return self.proc.pid
+
+    async def wait(self) -> int:
+        while self.proc is not None and self.proc.poll() is None:
+            await asyncio.sleep(0.2)
+        return self.proc.returncode if self.proc is not None else -1
+
+    async def stop(self, timeout_s: float) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            await asyncio.sleep(0.05)
+        return self.proc.poll()
+
+
+@ray.remote(num_cpus=0)
+def _assigned_gpu_ids() -> str:
+    return ",".join(str(i) for i in ray.get_gpu_ids())
+
+
+async def _wait_name_free(name: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name)
+        except ValueError:
+            return
+        await asyncio.sleep(0.1)
+    raise LaunchError(f"actor {name} still exists {timeout_s:.0f} s after it was killed")
+
+
+def _ensure_local_token() -> None:
+    """Keep Ray's token auth on without writing ~/.ray/auth_token: a per-instance token in the environment."""
+    if any(os.environ.get(v) for v in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        return
+    if os.path.exists(os.path.join(os.path.expanduser("~"), ".ray", "auth_token")):
+        return
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+class RayLauncher(EngineLauncher):
+    def __init__(self, settings: CoordinatorSettings):
+        self._settings = settings
+        self._started_ray = False
+        self._temp_dir: str | None = None
+        self._groups: dict[int, object] = {}
+        self._actors: dict[int, object] = {}
+        self._placements = {}
+        self._closed = False
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """ray.init (a local instance unless --ray-address), then plan and reserve every rank's group."""
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray's C++ SIGTERM handler prints a stack trace on every clean shutdown; SIGTERM is how we are stopped.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+        started = time.monotonic()
+        if self._settings.ray_address:
+            try:
+                ray.init(address=self._settings.ray_address, namespace=RAY_NAMESPACE, log_to_driver=True)
+            except ConnectionError as e:
+                raise LaunchError(
+                    f"cannot connect to the Ray cluster at --ray-address {self._settings.ray_address}: {e} "
+                    "(is it running? with token auth, set RAY_AUTH_TOKEN to the cluster's token)"
+                ) from None
+        else:
+            _ensure_local_token()
+            self._temp_dir = self._settings.ray_temp_dir or tempfile.mkdtemp(prefix="dpray-", dir="/tmp")
+            os.makedirs(self._temp_dir, exist_ok=True)
+            ray.init(
+                num_cpus=2 * self._settings.data_parallel_size_local + 1,
+                include_dashboard=False,
+                _temp_dir=self._temp_dir,
+                object_store_memory=100 * 1024 * 1024,
+                namespace=RAY_NAMESPACE,
+                log_to_driver=True,
+            )
+            self._started_ray = True
+        log.info(
+            "Ray %s in %.1f s (%s)",
+            "connected" if self._settings.ray_address else "started",
+            time.monotonic() - started,
+            self._settings.ray_address or f"local instance, temp dir {self._temp_dir}",
+        )
+        self._plan_when_nodes_fit()
+
+    def _plan_when_nodes_fit(self) -> None:
+        """Plan at once; with --ray-wait-for-nodes-s, keep trying while the cluster may still be growing."""
+        deadline = time.monotonic() + self._settings.ray_wait_for_nodes_s
+        next_log = 0.0
+        while True:
+            try:
+                self._plan()
+                return
+            except LaunchError as e:
+                if time.monotonic() >= deadline:
+                    raise
+                if time.monotonic() >= next_log:
+                    log.info("waiting for Ray nodes (%.0f s left): %s", deadline - time.monotonic(), e)
+                    next_log = time.monotonic() + 10.0
+                time.sleep(1.0)
+
+    def _plan(self) -> None:
+        head_node_id = ray.get_runtime_context().get_node_id()
+        ray_nodes = ray.nodes()
+        head_ip = next(n["NodeManagerAddress"] for n in ray_nodes if n["NodeID"] == head_node_id)
+        try:
+            from ray._private.state import available_resources_per_node  # private; totals are the fallback
+
+            available = available_resources_per_node()
+        except Exception:  # noqa: BLE001
+            available = None
+        nodes = nodes_from_ray(ray_nodes, available)
+        try:
+            plan = plan_placement(
+                nodes, head_ip, self._settings.data_parallel_size, self._settings.data_parallel_size_local
+            )
+        except PlacementError as e:
+            raise LaunchError(str(e)) from None
+        self._placements = {p.rank: p for p in plan}
+        for p in plan:
+            head = " (head)" if p.is_on_head else ""
+            log.info("rank %d: placement on %s%s, bundles %s", p.rank, p.node_ip, head, p.bundles)
+
+    async def _reserve(self, rank: int):
+        p = self._placements[rank]
+        group = placement_group(list(p.bundles), strategy="STRICT_PACK", name=f"dpserve-rank-{rank}")
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(group.ready().future()), _PLACEMENT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            remove_placement_group(group)
+            raise LaunchError(
+                f"rank {rank}: placement group {p.bundles} on {p.node_ip} not ready after {_PLACEMENT_TIMEOUT_S:.0f} s "
+                "(resources taken by something else?)"
+            ) from None
+        self._groups[rank] = group
+        return group
+
+    # -- EngineLauncher -----------------------------------------------------------------------------------------
+
+    async def start(self, rank: int) -> None:
+        p = self._placements[rank]
+        old = self._actors.pop(rank, None)
+        if old is not None:  # a restart: the old host's name must be free before the new one takes it
+            ray.kill(old)
+            await _wait_name_free(actor_name(rank))
+        group = self._groups.get(rank) or await self._reserve(rank)
+        env: dict[str, str] = {}
+        if "GPU" in p.bundles[DEVICE_BUNDLE]:
+            gpu_task = _assigned_gpu_ids.options(
+                num_gpus=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=DEVICE_BUNDLE),
+            ).remote()
+            env["CUDA_VISIBLE_DEVICES"] = await asyncio.wrap_future(gpu_task.future())
+        actor = EngineHost.options(
+            name=actor_name(rank),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=ACTOR_BUNDLE),
+        ).remote(rank)
+        self._actors[rank] = actor
+        host = self._settings.data_parallel_address if p.is_on_head else "{node_ip}"
+        cmd = engine_command(self._settings, rank, host)
+        pid = await asyncio.wrap_future(actor.start.remote(cmd, env, not p.is_on_head).future())
+        log.info(
+            "rank %d: actor %s started engine process pid %d on %s%s",
+            rank,
+            actor_name(rank),
+            pid,
+            p.node_ip,
+            f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if env else "",
+        )
+
+    async def wait_exit(self, rank: int) -> str:
+        actor = self._actors[rank]
+        try:
+            code = await asyncio.wrap_future(actor.wait.remote().future())
+            return f"engine process exited with code {code}"
+        except ray.exceptions.RayActorError as e:
+            return f"actor {actor_name(rank)} died: {str(e).splitlines()[0]}"
+
+    def describe(self, rank: int) -> str:
+        p = self._placements.get(rank)
+        return f"actor {actor_name(rank)} on {p.node_ip}" if p else ""
+
+    async def close(self, timeout_s: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._actors:
+            refs = [a.stop.remote(timeout_s) for a in self._actors.values()]
+            try:
+                await asyncio.wait_for(
+                    asyncio.gather(*(asyncio.wrap_future(r.future()) for r in refs), return_exceptions=True),
+                    timeout_s + 2,
+                )
+            except asyncio.TimeoutError:
+                log.warning("engine hosts did not stop within %.0f s; killing them", timeout_s + 2)
+        self._release()
+
+    def _release(self) -> None:
+        for actor in self._actors.values():
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        self._actors.clear()
+        for group in self._groups.values():
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001
+                pass
+        self._groups.clear()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+            if self._temp_dir and not self._settings.ray_temp_dir:
+                shutil.rmtree(self._temp_dir, ignore_errors=True)
+        elif ray.is_initialized():
+            ray.shutdown()
+        log.info("Ray actors and placement groups released")
+
+    def kill_now(self) -> None:
+        self._closed = True
+        try:
+            self._release()
+        except Exception as e:  # noqa: BLE001
+            log.error("Ray teardown failed: %s", e)

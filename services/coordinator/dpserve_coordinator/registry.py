@@ -1,0 +1,218 @@
+"""The coordinator's registry: which engines and frontends exist, and what their load is. No sockets.
+
+Engine ranks move STARTING -> READY -> (DRAINING) -> DEAD. A rank is STARTING while the launcher starts its
+process, READY once its engine registered, DEAD when its process exited, it unregistered or it missed heartbeats
+(an engine that was only late and heartbeats again is READY again). A DEAD rank can be taken over by a new
+engine that registers with the same rank (a replacement). Every change bumps the topology epoch.
+
+Frontends are only a set of ids with a last-seen time: one that is silent for `frontend_timeout_s` or that
+unregisters is dropped, and the server broadcasts FrontendGone so that engines abort its requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dpserve_shared.codec import ProtocolMismatch, check_protocol
+from dpserve_shared.schema import (
+    EngineInfo,
+    EngineLoad,
+    EngineState,
+    LoadSnapshot,
+    ModelInfo,
+    RegisterEngine,
+    RegisterFrontend,
+    Topology,
+)
+
+
+class RegistrationRefused(Exception):
+    """A registration the coordinator will not accept; the message goes back in RegisterAck.error."""
+
+
+@dataclasses.dataclass
+class EngineEntry:
+    rank: int
+    state: EngineState
+    engine_id: str = ""
+    input_addr: str = ""
+    node_ip: str = ""
+    pid: int = 0
+    kv_blocks_total: int = 0
+    last_seen_s: float = 0.0
+    load: EngineLoad | None = None
+    dead_reason: str = ""
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            rank=self.rank,
+            engine_id=self.engine_id,
+            input_addr=self.input_addr,
+            state=self.state,
+            node_ip=self.node_ip,
+            pid=self.pid,
+            kv_blocks_total=self.kv_blocks_total,
+        )
+
+
+@dataclasses.dataclass
+class FrontendEntry:
+    frontend_id: str
+    pid: int
+    http_addr: str
+    last_seen_s: float
+
+
+class Registry:
+    def __init__(self, data_parallel_size: int, engine_timeout_s: float = 10.0, frontend_timeout_s: float = 5.0):
+        self.data_parallel_size = data_parallel_size
+        self.engine_timeout_s = engine_timeout_s
+        self.frontend_timeout_s = frontend_timeout_s
+        self.engines: dict[int, EngineEntry] = {}
+        self.frontends: dict[str, FrontendEntry] = {}
+        self.model: ModelInfo | None = None
+        self.epoch = 0
+        self.load_version = 0  # grows whenever any engine's load changes
+
+    # -- engines ------------------------------------------------------------------------------------------------
+
+    def engine_starting(self, rank: int) -> None:
+        """The launcher is starting (or restarting) `rank`."""
+        self.engines[rank] = EngineEntry(rank=rank, state=EngineState.STARTING)
+        self.epoch += 1
+
+    def register_engine(self, msg: RegisterEngine, now_s: float) -> int:
+        """Accept an engine and return its rank, or raise RegistrationRefused."""
+        try:
+            check_protocol(msg.protocol_version)
+        except ProtocolMismatch as e:
+            raise RegistrationRefused(str(e)) from None
+        if self.model is not None and msg.model.name != self.model.name:
+            raise RegistrationRefused(
+                f"engine {msg.engine_id} serves model {msg.model.name!r} but this deployment serves "
+                f"{self.model.name!r}"
+            )
+        rank = msg.rank if msg.rank >= 0 else self._free_rank()
+        current = self.engines.get(rank)
+        if (
+            current is not None
+            and current.engine_id
+            and current.engine_id != msg.engine_id
+            and current.state in (EngineState.READY, EngineState.DRAINING)
+        ):
+            raise RegistrationRefused(f"rank {rank} is already served by engine {current.engine_id}")
+        self.engines[rank] = EngineEntry(
+            rank=rank,
+            state=EngineState.READY,
+            engine_id=msg.engine_id,
+            input_addr=msg.input_addr,
+            node_ip=msg.node_ip,
+            pid=msg.pid,
+            kv_blocks_total=msg.kv_blocks_total,
+            last_seen_s=now_s,
+        )
+        if self.model is None:
+            self.model = msg.model
+        self.epoch += 1
+        self.load_version += 1
+        return rank
+
+    def _free_rank(self) -> int:
+        """The lowest rank that nobody serves or is starting."""
+        rank = 0
+        while rank in self.engines and self.engines[rank].state != EngineState.DEAD:
+            rank += 1
+        return rank
+
+    def engine_by_id(self, engine_id: str) -> EngineEntry | None:
+        for entry in self.engines.values():
+            if entry.engine_id == engine_id:
+                return entry
+        return None
+
+    def mark_dead(self, rank: int, reason: str) -> bool:
+        """Mark a rank DEAD; False if it already was (or is unknown)."""
+        entry = self.engines.get(rank)
+        if entry is None or entry.state == EngineState.DEAD:
+            return False
+        entry.state = EngineState.DEAD
+        entry.dead_reason = reason
+        entry.load = None
+        self.epoch += 1
+        self.load_version += 1
+        return True
+
+    def update_load(self, engine_id: str, load: EngineLoad, now_s: float) -> None:
+        entry = self.engine_by_id(engine_id)
+        if entry is None:
+            return
+        self._seen_engine(entry, now_s)
+        load.rank = entry.rank
+        if entry.load != load:
+            entry.load = load
+            self.load_version += 1
+
+    def _seen_engine(self, entry: EngineEntry, now_s: float) -> None:
+        entry.last_seen_s = now_s
+        if entry.state == EngineState.DEAD and entry.dead_reason == "missed heartbeats":
+            entry.state = EngineState.READY  # only late, not gone
+            entry.dead_reason = ""
+            self.epoch += 1
+
+    def ready_ranks(self) -> list[int]:
+        return sorted(r for r, e in self.engines.items() if e.state == EngineState.READY)
+
+    # -- frontends ----------------------------------------------------------------------------------------------
+
+    def register_frontend(self, msg: RegisterFrontend, now_s: float) -> None:
+        try:
+            check_protocol(msg.protocol_version)
+        except ProtocolMismatch as e:
+            raise RegistrationRefused(str(e)) from None
+        self.frontends[msg.frontend_id] = FrontendEntry(msg.frontend_id, msg.pid, msg.http_addr, now_s)
+
+    def drop_frontend(self, frontend_id: str) -> bool:
+        return self.frontends.pop(frontend_id, None) is not None
+
+    # -- both ---------------------------------------------------------------------------------------------------
+
+    def heartbeat(self, sender_id: str, now_s: float) -> bool:
+        """Record a heartbeat; False if the sender is unknown (it should register again)."""
+        frontend = self.frontends.get(sender_id)
+        if frontend is not None:
+            frontend.last_seen_s = now_s
+            return True
+        engine = self.engine_by_id(sender_id)
+        if engine is not None:
+            self._seen_engine(engine, now_s)
+            return True
+        return False
+
+    def expire(self, now_s: float) -> tuple[list[str], list[int]]:
+        """Drop silent frontends and mark silent engines DEAD; return (gone frontend ids, newly dead ranks)."""
+        gone = [f.frontend_id for f in self.frontends.values() if now_s - f.last_seen_s > self.frontend_timeout_s]
+        for frontend_id in gone:
+            del self.frontends[frontend_id]
+        dead = [
+            e.rank
+            for e in self.engines.values()
+            if e.state in (EngineState.READY, EngineState.DRAINING) and now_s - e.last_seen_s > self.engine_timeout_s
+        ]
+        for rank in dead:
+            self.mark_dead(rank, "missed heartbeats")
+        return gone, dead
+
+    def topology(self) -> Topology:
+        return Topology(
+            epoch=self.epoch,
+            engines=[self.engines[r].info() for r in sorted(self.engines)],
+            model=self.model,
+            data_parallel_size=self.data_parallel_size,
+        )
+
+    def load_snapshot(self, wave: int, engines_running: bool, now_s: float) -> LoadSnapshot:
+        loads = [
+            self.engines[r].load or EngineLoad(rank=r, kv_blocks_total=self.engines[r].kv_blocks_total)
+            for r in self.ready_ranks()
+        ]
+        return LoadSnapshot(loads=loads, wave=wave, engines_running=engines_running, timestamp=now_s)

@@ -1,0 +1,213 @@
+"""EngineCore: the real engine. Pure and in-process: add requests, step, read outputs; no sockets."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
+
+from dpserve_engine.block_manager import BlockManager
+from dpserve_engine.config import EngineConfig
+from dpserve_engine.interface import EngineCoreBase, InvalidRequest
+from dpserve_engine.model import Precision, Transformer, build_model
+from dpserve_engine.model_runner import ModelRunner, StepResult
+from dpserve_engine.scheduler import ScheduledBatch, Scheduler
+from dpserve_engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class EngineCore(EngineCoreBase):
+    """Continuous batching over a paged KV cache (see scheduler.py for the algorithm)."""
+
+    def __init__(self, config: EngineConfig, model: Transformer | None = None, model_info: ModelInfo | None = None):
+        self.config = config
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({config.max_num_seqs}): every running request needs a token of budget per step"
+            )
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if model_info is None:
+            from dpserve_engine.tokenizer import load_model_info
+
+            model_info = load_model_info(config)
+        if model is None:
+            model = load_model(config)
+        self.model_info = model_info
+        self.kv_blocks_total = self._num_kv_blocks(config, model)
+        self.block_manager = BlockManager(self.kv_blocks_total, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_blocks_total, config.block_size, model_info.eos_token_ids)
+        self.eos_token_ids = frozenset(model_info.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self.num_arrivals = 0
+        self.num_steps = 0
+        self.num_prompt_tokens = 0  # computed (prefilled) prompt tokens, cumulative
+        self.num_generation_tokens = 0
+
+    @classmethod
+    def from_model(cls, config: EngineConfig, model: Transformer, model_info: ModelInfo) -> EngineCore:
+        """An engine around an in-memory model (tests, benchmarks): no files read."""
+        return cls(config, model=model, model_info=model_info)
+
+    @staticmethod
+    def _num_kv_blocks(config: EngineConfig, model: Transformer) -> int:
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        per_block = ModelRunner.kv_bytes_per_block(model.args, config.block_size, model.prec.kv)
+        return max(1, int(config.kv_cache_memory_gib * 2**30) // per_block)
+
+    # -- requests --------------------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        self._validate(request)
+        seq = Sequence(request.request_id, request.prompt_token_ids, request.sampling, self.num_arrivals)
+        self.num_arrivals += 1
+        self.requests[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _validate(self, request: EngineRequest) -> None:
+        prompt, params = request.prompt_token_ids, request.sampling
+        max_len = self.model_info.max_model_len
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"duplicate request id {request.request_id!r}")
+        if len(prompt) + params.max_tokens > max_len:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{len(prompt) + params.max_tokens} tokens, more than max_model_len ({max_len})"
+            )
+        vocab = self.runner.model.args.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
+        if params.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {params.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and not 0 <= k <= min(vocab, 20):
+                raise InvalidRequest(f"{name} must be in [0, {min(vocab, 20)}], got {k}")
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or not 0 <= params.min_p <= 1:
+            raise InvalidRequest("temperature must be >= 0, top_p in (0, 1], min_p in [0, 1]")
+        blocks_needed = self.block_manager.num_blocks_for(len(prompt) + params.max_tokens)
+        if blocks_needed > self.kv_blocks_total:
+            raise InvalidRequest(
+                f"prompt + max_tokens needs {blocks_needed} KV blocks; this engine has {self.kv_blocks_total}"
+            )
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            seq = self.requests.pop(request_id, None)
+            if seq is not None:
+                self.scheduler.finish(seq)
+                outputs.append(RequestOutput(request_id, finish_reason=FinishReason.ABORT))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- step ------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.run(batch)
+        return self._postprocess(batch, result)
+
+    def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """Advance computed counts, append sampled tokens, detect finishes, build this step's outputs."""
+        self.num_steps += 1
+        outputs = []
+        for seq, num_tokens, token_id, logprob, prompt_logprobs in zip(
+            batch.seqs, batch.num_tokens, result.token_ids, result.logprobs, result.prompt_logprobs
+        ):
+            if seq.num_output_tokens == 0:
+                self.num_prompt_tokens += num_tokens
+            seq.num_computed_tokens += num_tokens
+            if prompt_logprobs:
+                seq.prompt_logprobs.extend(prompt_logprobs)
+            self.block_manager.cache_blocks(seq)
+            if token_id is None:
+                continue
+            seq.token_ids.append(token_id)
+            self.num_generation_tokens += 1
+            self._check_finished(seq, token_id)
+            outputs.append(self._output(seq, token_id, logprob))
+        return outputs
+
+    def _check_finished(self, seq: Sequence, token_id: int) -> None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, token_id
+            elif token_id in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = FinishReason.STOP
+        if seq.finish_reason is None and (
+            seq.num_output_tokens >= params.max_tokens or len(seq) >= self.model_info.max_model_len
+        ):
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            del self.requests[seq.request_id]
+
+    def _output(self, seq: Sequence, token_id: int, logprob) -> RequestOutput:
+        output = RequestOutput(
+            seq.request_id,
+            [token_id],
+            [logprob] if logprob is not None else None,
+            seq.finish_reason,
+            seq.stop_reason,
+        )
+        if seq.is_first_output:
+            seq.is_first_output = False
+            output.num_cached_tokens = seq.num_cached_tokens
+            output.num_prompt_tokens = seq.num_prompt_tokens
+            output.prompt_logprobs = seq.prompt_logprobs
+        return output
+
+    def load(self) -> EngineLoad:
+        waiting = self.scheduler.waiting
+        return EngineLoad(
+            rank=0,
+            num_waiting=len(waiting),
+            num_running=len(self.scheduler.running),
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_total=self.kv_blocks_total,
+            num_waiting_tokens=sum(s.num_uncomputed_tokens for s in waiting),
+            step=self.num_steps,
+            prefix_queries=self.block_manager.num_prefix_queries,
+            prefix_hits=self.block_manager.num_prefix_hits,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+
+def load_model(config: EngineConfig, precision: Precision | None = None) -> Transformer:
+    from dpserve_engine.loader import load_weights
+
+    device = pick_device(config)
+    args, state = load_weights(config.model, config.cache_dir, config.quantization)
+    prec = precision or Precision.for_device(device, config.dtype)
+    if config.quantization:
+        if device.type != "cpu":
+            raise ValueError(f"quantization={config.quantization!r} uses torch's CPU int4 kernel; device is {device}")
+        prec = Precision(torch.bfloat16, prec.act, prec.kv, prec.head)  # bf16: only placeholders before repacking
+    logger.info(
+        "building model on %s: weights %s, activations %s", device, config.quantization or prec.weight, prec.act
+    )
+    return build_model(args, state, prec, device)

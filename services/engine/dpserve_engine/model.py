@@ -1,0 +1,292 @@
+"""A Llama-family decoder over a paged KV cache, in the gpt-fast style.
+
+Every linear layer runs on the flattened token batch x: [T, dim] (all sequences' new tokens side by side).
+Attention reads and writes K/V through flat cache slots (block_id * block_size + offset): one-token decodes are
+batched into one matmul attention, prefill chunks run per sequence with a causal mask over their cached prefix.
+
+Precision: weights may be bf16 while activations, norms and the residual stay fp32 (`Linear` casts its input to
+the weight dtype and its output back). On this CPU that mix, with an fp32 KV cache and an fp32 LM head, gives the
+same greedy tokens as fp32 at half the weight bandwidth (see smollm2-notes.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclasses.dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int = 0  # 0: dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    weight: torch.dtype  # linear layers
+    act: torch.dtype  # residual stream, norms, attention
+    kv: torch.dtype
+    head: torch.dtype  # LM head (fp32 keeps greedy == fp32 reference)
+
+    @staticmethod
+    def for_device(device: torch.device, dtype: str = "auto") -> Precision:
+        """The mix for a device and EngineConfig.dtype ("auto", "bfloat16", "float32")."""
+        if dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16 or float32, got {dtype!r}")
+        if dtype == "float32" or (dtype == "auto" and device.type == "cpu"):
+            return Precision.fp32()
+        if device.type == "cuda":
+            return Precision(torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)
+        return Precision(torch.bfloat16, torch.float32, torch.float32, torch.float32)
+
+    @staticmethod
+    def fp32() -> Precision:
+        return Precision(torch.float32, torch.float32, torch.float32, torch.float32)
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    start: int  # first row of this chunk in the token batch
+    end: int
+    context_slots: Tensor  # [C] cache slots of positions 0..C-1 (cached prefix + this chunk)
+    mask: Tensor  # [n, C] True where query i may attend key j (causal)
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    slot_mapping: Tensor  # [T] cache slot each new token's K/V is written to
+    num_decodes: int  # rows 0..num_decodes-1 are one-token decodes
+    block_size: int
+    decode_block_index: Tensor | None  # [Hkv * D * nb] rows of the [Hkv * num_blocks, block_size * hd] cache view:
+    #                                    each decode's blocks (padded with block 0 to the longest), per kv head
+    decode_bias: Tensor | None  # [1, D, 1, nb * block_size] 0 for real positions, -inf for padding
+    prefills: list[PrefillChunk]
+
+
+class Linear(nn.Module):
+    """x @ w.T with x in the activation dtype and w in the weight dtype (cast in, cast back out)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 from GGUF Q4_1 groups (w = d * q + m, 32 weights a group), repacked, not requantized.
+
+    torch's CPU kernel computes (q - 8) * scale + zero per group, so scale = d and zero = m + 8 d reproduce the
+    file's weights (up to bf16 rounding of d and zero). x is cast to bf16 for the kernel; the output back.
+    """
+
+    group_size = 32
+
+    def __init__(self, q: Tensor, d: Tensor, m: Tensor):
+        super().__init__()
+        # q: [N, K] in 0..15; d, m: [N, K / 32]
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        zeros = m + 8 * d
+        self.register_buffer("scales_zeros", torch.stack([d, zeros], dim=-1).transpose(0, 1).contiguous().bfloat16())
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros
+        )
+        return y.to(x.dtype)
+
+
+def fused_linear(state: dict[str, Tensor], names: list[str], linear: nn.Module) -> nn.Module:
+    """Fill `linear` with the row-concatenation of the named weights, or build an Int4Linear from their groups."""
+    if names[0] + ".qweight" in state:
+        return Int4Linear(*(torch.cat([state[n + part] for n in names]) for part in (".qweight", ".scales", ".mins")))
+    linear.weight.copy_(torch.cat([state[n + ".weight"] for n in names]))
+    if linear.bias is not None:
+        linear.bias.copy_(torch.cat([state[n + ".bias"] for n in names]))
+    return linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)  # always fp32
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+
+
+def rope_tables(args: ModelArgs) -> tuple[Tensor, Tensor]:
+    """cos, sin: [max_seq_len, head_dim], halves repeated for the rotate_half layout (HF order)."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, hd], cos/sin: [T, 1, hd]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, prec: Precision):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.wqkv = Linear(args.dim, self.q_size + 2 * self.kv_size, args.qkv_bias, prec.weight)
+        self.wo = Linear(self.q_size, args.dim, False, prec.weight)
+        self.scale = args.head_dim**-0.5
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: tuple[Tensor, Tensor]) -> Tensor:
+        T = x.shape[0]
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)  # [T, H, hd]
+        k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, hd]
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        k_cache, v_cache = kv  # [Hkv, num_slots, hd]: kv-head major, so gathered K/V need no transpose
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+        D = meta.num_decodes
+        if D == T:
+            out = self._decode(q, k_cache, v_cache, meta)
+        else:
+            parts = [self._decode(q[:D], k_cache, v_cache, meta)] if D else []
+            parts += [self._prefill(q[c.start : c.end], k_cache, v_cache, c) for c in meta.prefills]
+            out = torch.cat(parts)
+        return self.wo(out.reshape(T, self.q_size))
+
+    def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        """Batched one-token attention: gather each sequence's cache blocks (whole blocks: a few contiguous KiB
+        each, not one row per token), mask the padding, matmul grouped by kv head."""
+        D, G, hd, dtype = q.shape[0], self.n_heads // self.n_kv_heads, self.head_dim, q.dtype
+        rows = meta.decode_block_index  # index_select of 2-D rows: ~4x faster than advanced indexing here
+        block_rows = meta.block_size * hd
+        k = k_cache.view(-1, block_rows).index_select(0, rows).view(self.n_kv_heads, D, -1, hd)  # [Hkv, D, L, hd]
+        v = v_cache.view(-1, block_rows).index_select(0, rows).view(self.n_kv_heads, D, -1, hd)
+        q = (q * self.scale).view(D, self.n_kv_heads, G, hd).transpose(0, 1).to(k.dtype)  # [Hkv, D, G, hd]
+        scores = torch.matmul(q, k.transpose(-1, -2))  # [Hkv, D, G, L]
+        probs = (scores.float() + meta.decode_bias).softmax(dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [Hkv, D, G, hd]
+        return out.transpose(0, 1).reshape(D, self.n_heads, hd).to(dtype)
+
+    def _prefill(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, chunk: PrefillChunk) -> Tensor:
+        """One sequence's chunk: n queries over its C cached positions (prefix + chunk), causal."""
+        k = k_cache.index_select(1, chunk.context_slots).to(q.dtype)  # [Hkv, C, hd]
+        v = v_cache.index_select(1, chunk.context_slots).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=chunk.mask, enable_gqa=True)
+        return out.transpose(0, 1)  # [n, H, hd]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs, prec: Precision):
+        super().__init__()
+        self.ffn_dim = args.ffn_dim
+        self.w13 = Linear(args.dim, 2 * args.ffn_dim, False, prec.weight)  # gate and up, fused
+        self.w2 = Linear(args.ffn_dim, args.dim, False, prec.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, prec: Precision):
+        super().__init__()
+        self.attention = Attention(args, prec)
+        self.feed_forward = FeedForward(args, prec)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: tuple[Tensor, Tensor]) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, meta, kv)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, prec: Precision):
+        super().__init__()
+        self.args, self.prec = args, prec
+        embedding_dtype = prec.head if args.tie_embeddings else prec.act  # tied: the fp32 head doubles as embedding
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, dtype=embedding_dtype)
+        self.tok_embeddings.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(TransformerBlock(args, prec) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else Linear(args.dim, args.vocab_size, False, prec.head)
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self, tokens: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: list[tuple[Tensor, Tensor]]
+    ) -> Tensor:
+        """tokens, positions: [T] -> final hidden states [T, dim] (logits are computed only where needed)."""
+        x = self.tok_embeddings(tokens).to(self.prec.act)  # [T, dim]
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # [T, 1, hd]
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv)
+        return self.norm(x)
+
+    def compute_logits(self, h: Tensor) -> Tensor:
+        """h: [N, dim] -> fp32 logits [N, vocab]."""
+        if self.output is None:
+            return F.linear(h.to(self.prec.head), self.tok_embeddings.weight).float()
+        return self.output(h.to(self.prec.head)).float()
+
+    def load_weights(self, state: dict[str, Tensor]) -> None:
+        """Load a loader.py state dict (HF names, HF rotate_half q/k layout), fusing qkv and gate/up."""
+        with torch.no_grad():
+            self.tok_embeddings.weight.copy_(state["model.embed_tokens.weight"])
+            self.norm.weight.copy_(state["model.norm.weight"])
+            if self.output is not None:
+                self.output.weight.copy_(state.get("lm_head.weight", state["model.embed_tokens.weight"]))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                attn, ffn = layer.attention, layer.feed_forward
+                attn.wqkv = fused_linear(state, [f"{p}self_attn.{n}_proj" for n in "qkv"], attn.wqkv)
+                attn.wo = fused_linear(state, [p + "self_attn.o_proj"], attn.wo)
+                ffn.w13 = fused_linear(state, [p + "mlp.gate_proj", p + "mlp.up_proj"], ffn.w13)
+                ffn.w2 = fused_linear(state, [p + "mlp.down_proj"], ffn.w2)
+                layer.attention_norm.weight.copy_(state[p + "input_layernorm.weight"])
+                layer.ffn_norm.weight.copy_(state[p + "post_attention_layernorm.weight"])
+
+
+def build_model(args: ModelArgs, state: dict[str, Tensor] | None, prec: Precision, device: torch.device) -> Transformer:
+    """A Transformer on `device`; random weights when state is None (tests)."""
+    with torch.device("meta"):
+        model = Transformer(args, prec)
+    model = model.to_empty(device=device)
+    cos, sin = rope_tables(args)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    if state is None:
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / p.shape[-1] ** 0.5)
+    else:
+        model.load_weights(state)
+    return model.eval()

@@ -1,0 +1,202 @@
+"""Turns a scheduled batch into model inputs, runs the model over the paged KV cache and samples.
+
+Everything per step is built from Python lists in one pass over the sequences (never over tokens) and turned
+into tensors once; the model then sees one flat token batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from dpserve_shared.schema import TokenLogprob
+from torch import Tensor
+
+from dpserve_engine.model import AttentionMetadata, PrefillChunk, Transformer
+from dpserve_engine.sampler import SamplerOutput, SamplingTensors, sample
+from dpserve_engine.scheduler import ScheduledBatch
+from dpserve_engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Per scheduled sequence (same order as the batch): the new token (None while mid-prefill), its logprob
+    entry, and the prompt logprobs computed this step."""
+
+    token_ids: list[int | None]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[list[TokenLogprob]]
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, eos_token_ids: list[int]):
+        self.model = model
+        self.device = model.rope_cos.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.eos_token_ids = list(eos_token_ids)
+        args, kv_dtype = model.args, model.prec.kv
+        # Per layer K and V: [Hkv, num_blocks * block_size, hd], indexed by flat slot (block * block_size + offset)
+        shape = (args.n_kv_heads, num_blocks * block_size, args.head_dim)
+        zeros = lambda: torch.zeros(shape, dtype=kv_dtype, device=self.device)  # noqa: E731
+        self.kv_caches = [(zeros(), zeros()) for _ in range(args.n_layers)]
+        self.block_offsets = torch.arange(block_size, device=self.device)
+        logger.info("KV cache: %d blocks x %d tokens, %s", num_blocks, block_size, kv_dtype)
+
+    @staticmethod
+    def kv_bytes_per_block(model_args, block_size: int, kv_dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
+        return 2 * model_args.n_layers * block_size * model_args.n_kv_heads * model_args.head_dim * elem
+
+    # -- inputs ----------------------------------------------------------------------------------------------
+
+    def _slots(self, block_table: Tensor, num_tokens: int) -> Tensor:
+        """Flat cache slots of positions 0..num_tokens-1 of a sequence."""
+        num_blocks = -(-num_tokens // self.block_size)
+        return (block_table[:num_blocks].unsqueeze(-1) * self.block_size + self.block_offsets).view(-1)[:num_tokens]
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        """-> tokens [T], positions [T], attention metadata; decodes first, then prefill chunks."""
+        D = batch.num_decodes
+        tokens, positions, slots, decode_index, decode_bias = self._prepare_decodes(batch.seqs[:D])
+        prefills, prefill_positions, prefill_slots = self._prepare_prefills(batch, D, tokens)
+        dev = self.device
+        positions_t = torch.cat([torch.tensor(positions, dtype=torch.long, device=dev), *prefill_positions])
+        slots_t = torch.cat([torch.tensor(slots, dtype=torch.long, device=dev), *prefill_slots])
+        meta = AttentionMetadata(slots_t, D, self.block_size, decode_index, decode_bias, prefills)
+        return torch.tensor(tokens, dtype=torch.long, device=dev), positions_t, meta
+
+    def _prepare_decodes(self, decodes: list[Sequence]):
+        """One token per sequence; block tables padded to the longest, and the bias that masks the padding."""
+        bs, dev = self.block_size, self.device
+        tokens = [s.token_ids[s.num_computed_tokens] for s in decodes]
+        positions = [s.num_computed_tokens for s in decodes]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
+        if not decodes:
+            return tokens, positions, slots, None, None
+        max_blocks = max(len(s.block_table) for s in decodes)
+        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes], device=dev)
+        heads = torch.arange(self.model.args.n_kv_heads, device=dev).view(-1, 1, 1) * self.num_blocks
+        block_index = (heads + tables).view(-1)  # [Hkv * D * nb] rows of the [Hkv * num_blocks, bs * hd] view
+        context_lens = torch.tensor(positions, device=dev).unsqueeze(1) + 1  # [D, 1]
+        is_pad = torch.arange(max_blocks * bs, device=dev) >= context_lens  # [D, L]
+        decode_bias = torch.zeros(is_pad.shape, device=dev).masked_fill_(is_pad, float("-inf"))
+        return tokens, positions, slots, block_index, decode_bias.view(1, len(decodes), 1, -1)
+
+    def _prepare_prefills(self, batch: ScheduledBatch, first_row: int, tokens: list[int]):
+        """Per chunk: its rows, the slots of its whole context (prefix + chunk) and its causal mask."""
+        dev, row = self.device, first_row
+        prefills, positions, slots = [], [], []
+        for seq, n in zip(batch.seqs[first_row:], batch.num_tokens[first_row:]):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            tokens.extend(seq.token_ids[start:end])
+            context_slots = self._slots(torch.tensor(seq.block_table, device=dev), end)  # [C]
+            query_pos = torch.arange(start, end, device=dev)
+            mask = torch.arange(end, device=dev).unsqueeze(0) <= query_pos.unsqueeze(1)  # [n, C]
+            prefills.append(PrefillChunk(row, row + n, context_slots, mask))
+            positions.append(query_pos)
+            slots.append(context_slots[start:end])
+            row += n
+        return prefills, positions, slots
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        dev, vocab = self.device, self.model.args.vocab_size
+        params = [s.params for s in seqs]
+        is_greedy = [p.temperature <= 1e-5 for p in params]
+        temperatures = [1.0 if g else p.temperature for p, g in zip(params, is_greedy)]
+        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        banned_rows, banned_ids = [], []
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                ids = seq.params.stop_token_ids + ([] if seq.params.ignore_eos else self.eos_token_ids)
+                banned_rows += [row] * len(ids)
+                banned_ids += ids
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingTensors(
+            temperature=torch.tensor(temperatures, device=dev) if any(x != 1.0 for x in temperatures) else None,
+            is_greedy=torch.tensor(is_greedy, device=dev),
+            top_k=torch.tensor(top_ks, device=dev) if any(k < vocab for k in top_ks) else None,
+            top_p=torch.tensor([p.top_p for p in params], device=dev) if any(p.top_p < 1 for p in params) else None,
+            min_p=torch.tensor([p.min_p for p in params], device=dev) if any(p.min_p > 0 for p in params) else None,
+            banned=(torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev)) if banned_rows else None,
+            generators=[(r, s.generator) for r, (s, g) in enumerate(zip(seqs, is_greedy)) if s.generator and not g],
+            all_greedy=all(is_greedy),
+            any_greedy=any(is_greedy),
+            num_logprobs=max(requested) if requested else None,
+        )
+
+    # -- step ------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        tokens, positions, meta = self.prepare(batch)
+        hidden = self.model(tokens, positions, meta, self.kv_caches)  # [T, dim]
+        sample_rows, sample_seqs, prompt_rows = [], [], []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.num_computed_tokens + n == len(seq):
+                sample_rows.append(row + n - 1)
+                sample_seqs.append(seq)
+            if seq.wants_prompt_logprobs:
+                prompt_rows.append(self._prompt_logprob_rows(seq, n, row))
+            row += n
+        token_ids, logprobs = self._sample(hidden, sample_rows, sample_seqs)
+        prompt_logprobs = self._prompt_logprobs(hidden, batch, prompt_rows)
+        by_seq = {id(s): i for i, s in enumerate(sample_seqs)}
+        return StepResult(
+            [token_ids[by_seq[id(s)]] if id(s) in by_seq else None for s in batch.seqs],
+            [logprobs[by_seq[id(s)]] if id(s) in by_seq else None for s in batch.seqs],
+            prompt_logprobs,
+        )
+
+    def _sample(
+        self, hidden: Tensor, rows: list[int], seqs: list[Sequence]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        if not rows:
+            return [], []
+        logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)  # [N, V]
+        out = sample(logits, self.sampling_tensors(seqs))
+        token_ids = out.token_ids.tolist()
+        if out.logprobs is None:
+            return token_ids, [None] * len(rows)
+        entries = _token_logprobs(out, [seq.params.logprobs or 0 for seq in seqs])
+        return token_ids, [e if seq.params.logprobs is not None else None for e, seq in zip(entries, seqs)]
+
+    def _prompt_logprob_rows(self, seq: Sequence, n: int, row: int) -> range:
+        """Rows whose logits score the next prompt token and that have not been scored before (recompute)."""
+        start = seq.num_computed_tokens
+        first = max(start, len(seq.prompt_logprobs) - 1)
+        last = min(start + n, seq.num_prompt_tokens - 1)
+        return range(row + first - start, row + max(first, last) - start)
+
+    def _prompt_logprobs(
+        self, hidden: Tensor, batch: ScheduledBatch, prompt_rows: list[range]
+    ) -> list[list[TokenLogprob]]:
+        result: list[list[TokenLogprob]] = [[] for _ in batch.seqs]
+        wanting = [(i, s) for i, s in enumerate(batch.seqs) if s.wants_prompt_logprobs]
+        for (i, seq), rows in zip(wanting, prompt_rows):
+            if not rows:
+                continue
+            logprobs = self.model.compute_logits(hidden[rows.start : rows.stop]).log_softmax(dim=-1)  # [n, V]
+            first_pos = len(seq.prompt_logprobs) - 1  # the prompt position rows.start scores the next token of
+            targets = torch.tensor(seq.token_ids[first_pos + 1 : first_pos + 1 + len(rows)], device=self.device)
+            chosen = logprobs.gather(1, targets.unsqueeze(1))
+            k = seq.params.prompt_logprobs
+            top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            out = SamplerOutput(targets, chosen.squeeze(1), (logprobs > chosen).sum(-1) + 1, top_ids, top_lp)
+            result[i] = _token_logprobs(out, [k or 0] * len(rows))
+        return result
+
+
+def _token_logprobs(out: SamplerOutput, ks: list[int]) -> list[TokenLogprob]:
+    """One TokenLogprob per row with its top ks[row] alternatives; tensors turned into lists once."""
+    token_ids, logprobs, ranks = out.token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
+    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+    top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    return [
+        TokenLogprob(token_ids[i], logprobs[i], ranks[i], top_ids[i][:k] if k else [], top_logprobs[i][:k] if k else [])
+        for i, k in enumerate(ks)
+    ]

@@ -1,0 +1,64 @@
+"""One request's state inside the engine: its tokens, how many of them have KV in the cache, and its blocks."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from dpserve_shared.schema import FinishReason, SamplingParams, TokenLogprob
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request as the scheduler sees it.
+
+    `token_ids` is prompt + generated tokens. `num_computed_tokens` of them have their K/V in the cache (blocks in
+    `block_table`); the rest are computed by the next steps, a chunk at a time. A preempted sequence drops its
+    blocks and its computed count and recomputes prompt + generated tokens later, so nothing is lost.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_index: int):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival_index = arrival_index
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, in order
+        self.is_first_output = True
+        self.was_admitted = False
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+        # Prompt logprobs need every prompt position computed here, so such requests skip the prefix cache.
+        self.wants_prompt_logprobs = params.prompt_logprobs is not None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if self.wants_prompt_logprobs else None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,276 @@
+"""DP=2 behind 2 API servers, through `dpserve serve` as a user runs it: real processes, sockets and Ray.
+
+Each test runs against three servers (one at a time, each started once): the real model on the ray backend and
+on the mp backend, and the null engine on mp (a quick check of the serving path alone). Which rank served a
+request is read from the per-engine counters in /metrics; pinning uses the `X-data-parallel-rank` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.timeout(600)
+
+DP = 2
+NUM_CONCURRENT = 40
+
+SERVERS = [
+    pytest.param(("mp", True), id="mp-null"),
+    pytest.param(("mp", False), id="mp-model", marks=pytest.mark.slow),
+    pytest.param(("ray", False), id="ray-model", marks=[pytest.mark.slow, pytest.mark.ray]),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_servers_after_this_module(serve_factory):
+    """Later modules should not share the 2 cores with an idle server (and its Ray) they do not use."""
+    yield
+    serve_factory.close()
+
+
+@pytest.fixture(scope="session", params=SERVERS)
+def server(request, serve_factory):
+    backend, null_engine = request.param
+    return serve_factory(backend=backend, data_parallel_size=DP, api_server_count=2, null_engine=null_engine)
+
+
+@pytest.fixture(autouse=True)
+def _print_log_on_failure(request, server, server_log_on_failure):
+    request.node.serve = server
+
+
+def _model(server) -> str:
+    with urllib.request.urlopen(server.url + "/v1/models", timeout=10) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def _metrics(server) -> dict[str, dict[int, float]]:
+    """Per-engine samples from /metrics: metric name -> rank -> value (summed over other labels)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found: dict[str, dict[int, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "engine" in sample.labels:
+                per_rank = found.setdefault(sample.name, {})
+                rank = int(sample.labels["engine"])
+                per_rank[rank] = per_rank.get(rank, 0.0) + sample.value
+    return found
+
+
+def _served_per_rank(server) -> dict[int, float]:
+    return _metrics(server).get("vllm:request_success_total", {})
+
+
+def _post(server, path: str, body: dict, headers: dict | None = None) -> dict:
+    request = urllib.request.Request(
+        server.url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def _stream(server, path: str, body: dict) -> list[dict]:
+    request = urllib.request.Request(
+        server.url + path,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    events = []
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[len("data:") :].strip()
+            if payload == "[DONE]":
+                return events
+            events.append(json.loads(payload))
+    raise AssertionError("stream ended without [DONE]")
+
+
+# -- answers ---------------------------------------------------------------------------------------------------
+
+
+def test_completion(server):
+    body = _post(server, "/v1/completions", {"model": _model(server), "prompt": "The capital of France is",
+                                               "max_tokens": 8, "temperature": 0})
+    choice = body["choices"][0]
+    assert choice["text"]
+    assert choice["finish_reason"] in ("length", "stop")
+    assert body["usage"]["completion_tokens"] <= 8
+
+
+def test_completion_stream(server):
+    events = _stream(server, "/v1/completions", {"model": _model(server), "prompt": "Once upon a time",
+                                                  "max_tokens": 8, "temperature": 0})
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text
+    assert any(e["choices"] and e["choices"][0].get("finish_reason") for e in events)
+
+
+def test_chat(server):
+    body = _post(server, "/v1/chat/completions", {"model": _model(server), "max_tokens": 8, "temperature": 0,
+                                                    "messages": [{"role": "user", "content": "Say hello."}]})
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    assert message["content"]
+
+
+def test_chat_stream(server):
+    events = _stream(server, "/v1/chat/completions", {"model": _model(server), "max_tokens": 8, "temperature": 0,
+                                                       "messages": [{"role": "user", "content": "Say hello."}]})
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text
+
+
+# -- data parallelism ------------------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_are_spread_over_every_rank(server):
+    model = _model(server)
+    for rank in range(DP):  # a rank's first forward is slow on CPU; that is not what this test is about
+        _post(server, "/v1/completions", {"model": model, "prompt": "warm up", "max_tokens": 2},
+              {"X-data-parallel-rank": str(rank)})
+    before = _served_per_rank(server)
+
+    async def one(session: aiohttp.ClientSession, i: int) -> None:
+        body = {"model": model, "prompt": f"Request {i}: count to ten.", "max_tokens": 8, "temperature": 0}
+        async with session.post(server.url + "/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            await response.json()
+
+    async def burst() -> None:
+        timeout = aiohttp.ClientTimeout(total=300)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await asyncio.gather(*(one(session, i) for i in range(NUM_CONCURRENT)))
+
+    asyncio.run(burst())
+    served = _wait_counters(server, before, NUM_CONCURRENT)
+    context = f"served per rank {served}; /health {_health(server)}"
+    assert sum(served.values()) == NUM_CONCURRENT, context
+    for rank in range(DP):
+        assert served.get(rank, 0) > NUM_CONCURRENT / (DP + 1), f"rank {rank} served too few: {context}"
+
+
+def _wait_counters(server, before: dict[int, float], expected_total: int) -> dict[int, float]:
+    """Counter deltas since `before` (the frontends update them when each request finishes)."""
+    deadline = time.monotonic() + 5
+    while True:
+        after = _served_per_rank(server)
+        served = {r: after.get(r, 0) - before.get(r, 0) for r in after}
+        if sum(served.values()) >= expected_total or time.monotonic() > deadline:
+            return served
+        time.sleep(0.1)
+
+
+def test_identical_greedy_requests_give_identical_text_on_every_rank(server):
+    model = _model(server)
+    body = {"model": model, "prompt": "A list of three colors:", "max_tokens": 16, "temperature": 0}
+    texts = {}
+    for rank in range(DP):
+        before = _served_per_rank(server)
+        texts[rank] = _post(server, "/v1/completions", body, {"X-data-parallel-rank": str(rank)})["choices"][0]["text"]
+        served = _wait_counters(server, before, 1)
+        assert served.get(rank) == 1, f"pinned to rank {rank} but served by {served}"
+    assert len(set(texts.values())) == 1, texts
+
+
+def test_client_disconnect_mid_stream_leaves_no_running_request(server):
+    model = _model(server)
+
+    async def read_a_little_then_leave(rank: int) -> int:
+        body = {"model": model, "prompt": "Write a very long story.", "max_tokens": 500, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async with session.post(server.url + "/v1/completions", json=body,
+                                    headers={"X-data-parallel-rank": str(rank)}) as response:
+                assert response.status == 200, await response.text()
+                num_chunks = 0
+                async for line in response.content:
+                    if line.startswith(b"data:"):
+                        num_chunks += 1
+                        if num_chunks == 3:
+                            break
+                response.close()  # drop the connection mid-stream
+                return num_chunks
+
+    async def both() -> list[int]:
+        return await asyncio.gather(*(read_a_little_then_leave(rank) for rank in range(DP)))
+
+    assert asyncio.run(both()) == [3] * DP
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = _metrics(server)
+        running = metrics.get("vllm:num_requests_running", {})
+        waiting = metrics.get("vllm:num_requests_waiting", {})
+        busy = {r: (running.get(r, 0), waiting.get(r, 0)) for r in range(DP) if running.get(r, 0) or waiting.get(r, 0)}
+        if not busy and len(running) == DP:
+            break
+        assert time.monotonic() < deadline, f"requests still on engines 10 s after the clients left: {busy}"
+        time.sleep(0.2)
+
+
+def test_health_reports_every_rank(server):
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+        body = json.load(response)
+    assert body["status"] == "ok"
+    assert sorted(body["serving_ranks"]) == list(range(DP))
+
+
+# -- failure (last: it replaces a rank of the shared server) ---------------------------------------------------
+
+
+def _engine_pid(server, rank: int) -> int | None:
+    from tests.conftest import descendants
+
+    for pid, cmdline in descendants(server.proc.pid).items():
+        if "dpserve_engine.service" in cmdline and f"--rank {rank} " in cmdline + " ":
+            return pid
+    return None
+
+
+def _health(server) -> dict:
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=5) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as e:
+        return json.load(e)
+
+
+def test_dead_engine_is_routed_around_and_replaced(server):
+    model = _model(server)
+    old_pid = _engine_pid(server, 1)
+    assert old_pid is not None
+    os.kill(old_pid, signal.SIGKILL)
+    seen_degraded = False
+    deadline = time.monotonic() + 180
+    while True:
+        health = _health(server)
+        if health["status"] == "degraded" and not seen_degraded:
+            seen_degraded = True
+            assert health["serving_ranks"] == [0]
+            body = _post(server, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2})
+            assert body["choices"][0]["finish_reason"] in ("length", "stop")
+        new_pid = _engine_pid(server, 1)
+        if health["status"] == "ok" and new_pid not in (None, old_pid):
+            break
+        assert time.monotonic() < deadline, f"rank 1 not replaced: {health}"
+        time.sleep(0.1)
+    assert seen_degraded, "/health never reported the dead rank"
+    body = _post(server, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2},
+                 {"X-data-parallel-rank": "1"})
+    assert body["choices"][0]["text"] is not None

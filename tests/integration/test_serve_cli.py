@@ -1,0 +1,70 @@
+"""`dpserve serve` as a process: start-up failures and a dying child end it with a clear message and nothing left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ServeProcess, descendants, free_port, start_serve, stop_serve
+
+pytestmark = pytest.mark.timeout(120)
+
+DPSERVE = os.path.join(os.path.dirname(sys.executable), "dpserve")
+
+
+def test_engine_that_cannot_load_its_model_fails_start_up_by_name():
+    port, rpc_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [DPSERVE, "serve", "--data-parallel-backend", "mp", "-dp", "2", "--model", "/nonexistent/model.gguf",
+         "--host", "127.0.0.1", "--port", str(port), "--data-parallel-rpc-port", str(rpc_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    seen: dict[int, str] = {}
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen.update(descendants(proc.pid))
+        time.sleep(0.1)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("dpserve serve kept running with a model that cannot load")
+    output = proc.stdout.read()
+    assert proc.returncode == 1, output[-4000:]
+    assert "cannot load model /nonexistent/model.gguf" in output
+    assert "failed to start" in output and "coordinator exited with code 1" in output
+    time.sleep(0.5)
+    assert not [pid for pid in seen if os.path.exists(f"/proc/{pid}")], seen
+
+
+def test_a_dying_child_stops_everything(tmp_path):
+    server: ServeProcess = start_serve(backend="mp", data_parallel_size=1, api_server_count=2, null_engine=True,
+                                       log_dir=str(tmp_path))
+    try:
+        children = server.record_descendants()
+        coordinator = next(pid for pid, cmd in children.items() if "dpserve_coordinator.main" in cmd)
+        os.kill(coordinator, signal.SIGKILL)
+        assert server.proc.wait(60) == 1
+        assert "coordinator exited with code -9; shutting down" in server.log()
+    finally:
+        problems = stop_serve(server)
+    assert not problems, problems
+
+
+def test_second_signal_stops_at_once(tmp_path):
+    server: ServeProcess = start_serve(backend="mp", data_parallel_size=2, api_server_count=1, null_engine=True,
+                                       log_dir=str(tmp_path))
+    try:
+        server.record_descendants()
+        started = time.monotonic()
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        time.sleep(0.05)
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        server.proc.wait(15)
+        assert time.monotonic() - started < 10
+    finally:
+        problems = stop_serve(server)
+    assert not problems, problems

@@ -1,0 +1,69 @@
+"""`dpserve serve` and `dpserve-coordinator` flag handling: clear errors for combinations that make no sense."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpserve import cli
+from dpserve_coordinator import main as coordinator_main
+
+
+def serve_args(*argv: str):
+    return cli.build_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--data-parallel-backend", "mp", "-dp", "4", "-dpl", "2"], "single|every rank on this node"),
+        (["--data-parallel-backend", "mp", "--ray-address", "10.0.0.1:6379"], "--ray-address needs"),
+        (["-dp", "2", "-dpl", "3"], "between 0 and --data-parallel-size"),
+        (["-dp", "2", "-dpl", "1"], "cannot reach the coordinator at --data-parallel-address 127.0.0.1"),
+        (["-dp", "0"], "at least 1"),
+        (["--api-server-count", "0"], "--api-server-count must be at least 1"),
+        (["--ray-address", "auto", "--ray-temp-dir", "/tmp/x"], "local Ray instance only"),
+        (["--null-step-time-ms", "5"], "needs --null-engine"),
+    ],
+)
+def test_incompatible_serve_flags_are_errors(argv, message):
+    with pytest.raises(cli.UsageError, match=message):
+        cli.validate(serve_args(*argv))
+
+
+def test_defaults_follow_vllm():
+    args = serve_args()
+    cli.validate(args)
+    assert args.data_parallel_size == args.api_server_count == 1
+    assert (args.port, args.data_parallel_backend) == (8000, "ray")
+
+
+def test_serve_passes_engine_flags_through_the_coordinator():
+    args = serve_args("-dp", "2", "--max-model-len", "512", "--no-enable-prefix-caching", "--null-engine")
+    cmd = cli.coordinator_command(args, "/tmp/ready")
+    assert cmd[cmd.index("--max-model-len") + 1] == "512"
+    assert "--no-enable-prefix-caching" in cmd and "--null-engine" in cmd
+    coordinator_args = coordinator_main.build_parser().parse_args(cmd[3:])
+    settings = coordinator_main.settings_from_args(coordinator_args)
+    assert settings.data_parallel_size == settings.data_parallel_size_local == 2
+    assert settings.engine_args == ("--model", "smollm2", "--max-model-len", "512", "--null-engine",
+                                    "--no-enable-prefix-caching")
+
+
+def test_coordinator_refuses_mp_across_nodes():
+    args = coordinator_main.build_parser().parse_args(["--data-parallel-backend", "mp", "-dp", "2", "-dpl", "1"])
+    with pytest.raises(ValueError, match="--data-parallel-size-local must equal"):
+        coordinator_main.settings_from_args(args)
+
+
+def test_mp_coordinator_never_imports_ray():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from dpserve_coordinator import server, main; "
+        "args = main.build_parser().parse_args(['--data-parallel-backend', 'mp']); "
+        "server.make_launcher(main.settings_from_args(args)); "
+        "import dpserve_engine.service; "
+        "assert 'ray' not in sys.modules and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

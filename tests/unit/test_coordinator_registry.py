@@ -1,0 +1,114 @@
+"""The coordinator's registry as a state machine: registration, rank assignment, liveness, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpserve_coordinator.registry import Registry, RegistrationRefused
+from dpserve_shared.schema import (
+    PROTOCOL_VERSION,
+    EngineLoad,
+    EngineState,
+    ModelInfo,
+    RegisterEngine,
+    RegisterFrontend,
+)
+
+MODEL = ModelInfo(name="m", root="/m", max_model_len=128, vocab_size=10, tokenizer_json="{}")
+
+
+def engine(rank: int, engine_id: str | None = None, version: int = PROTOCOL_VERSION, model: ModelInfo = MODEL):
+    engine_id = engine_id or f"engine-{rank}"
+    return RegisterEngine(version, rank, engine_id, f"tcp://h:{5000 + max(rank, 0)}", model, kv_blocks_total=100)
+
+
+def test_starting_then_ready_bumps_the_epoch_and_sets_the_model():
+    registry = Registry(2)
+    registry.engine_starting(0)
+    registry.engine_starting(1)
+    assert [e.state for e in registry.topology().engines] == [EngineState.STARTING] * 2
+    epoch = registry.epoch
+    assert registry.register_engine(engine(0), now_s=0.0) == 0
+    topology = registry.topology()
+    assert topology.epoch > epoch
+    assert topology.model == MODEL
+    assert [(e.rank, e.state) for e in topology.engines] == [(0, EngineState.READY), (1, EngineState.STARTING)]
+    assert registry.ready_ranks() == [0]
+
+
+def test_protocol_mismatch_is_refused_naming_both_versions():
+    registry = Registry(1)
+    with pytest.raises(RegistrationRefused, match=f"peer speaks 999, this side speaks {PROTOCOL_VERSION}"):
+        registry.register_engine(engine(0, version=999), 0.0)
+    with pytest.raises(RegistrationRefused, match="peer speaks 0"):
+        registry.register_frontend(RegisterFrontend(0, "fe-1"), 0.0)
+
+
+def test_unassigned_rank_gets_the_lowest_free_one():
+    registry = Registry(3)
+    registry.register_engine(engine(1), 0.0)
+    assert registry.register_engine(engine(-1, "engine-x"), 0.0) == 0
+    assert registry.register_engine(engine(-1, "engine-y"), 0.0) == 2
+
+
+def test_a_live_rank_cannot_be_taken_but_a_dead_one_can():
+    registry = Registry(1)
+    registry.register_engine(engine(0, "engine-a"), 0.0)
+    with pytest.raises(RegistrationRefused, match="rank 0 is already served by engine engine-a"):
+        registry.register_engine(engine(0, "engine-b"), 0.0)
+    assert registry.mark_dead(0, "process exited")
+    assert not registry.mark_dead(0, "again")
+    assert registry.register_engine(engine(0, "engine-b"), 1.0) == 0
+    assert registry.engines[0].engine_id == "engine-b"
+
+
+def test_another_model_is_refused():
+    registry = Registry(2)
+    registry.register_engine(engine(0), 0.0)
+    other = ModelInfo(name="other", root="/o", max_model_len=128, vocab_size=10, tokenizer_json="{}")
+    with pytest.raises(RegistrationRefused, match="serves model 'other'"):
+        registry.register_engine(engine(1, model=other), 0.0)
+
+
+def test_silent_engine_is_dead_and_comes_back_when_it_heartbeats():
+    registry = Registry(1, engine_timeout_s=10.0)
+    registry.register_engine(engine(0), 0.0)
+    assert registry.expire(5.0) == ([], [])
+    assert registry.expire(10.5) == ([], [0])
+    assert registry.engines[0].state == EngineState.DEAD
+    assert registry.heartbeat("engine-0", 11.0)
+    assert registry.engines[0].state == EngineState.READY
+
+
+def test_exited_engine_does_not_come_back_by_heartbeat():
+    registry = Registry(1)
+    registry.register_engine(engine(0), 0.0)
+    registry.mark_dead(0, "engine process exited with code 1")
+    registry.heartbeat("engine-0", 1.0)
+    assert registry.engines[0].state == EngineState.DEAD
+
+
+def test_silent_frontend_is_dropped():
+    registry = Registry(1, frontend_timeout_s=5.0)
+    registry.register_frontend(RegisterFrontend(PROTOCOL_VERSION, "fe-1"), 0.0)
+    registry.register_frontend(RegisterFrontend(PROTOCOL_VERSION, "fe-2"), 0.0)
+    registry.heartbeat("fe-2", 4.0)
+    assert registry.expire(6.0) == (["fe-1"], [])
+    assert list(registry.frontends) == ["fe-2"]
+    assert not registry.heartbeat("fe-1", 6.5)  # unknown: it must register again
+    assert registry.drop_frontend("fe-2")
+
+
+def test_load_snapshot_lists_ready_ranks_and_tracks_changes():
+    registry = Registry(2)
+    registry.register_engine(engine(0), 0.0)
+    registry.register_engine(engine(1), 0.0)
+    version = registry.load_version
+    registry.update_load("engine-1", EngineLoad(rank=0, num_running=3), 1.0)  # the rank is stamped by the registry
+    assert registry.load_version == version + 1
+    registry.update_load("engine-1", EngineLoad(rank=1, num_running=3), 1.1)
+    assert registry.load_version == version + 1  # unchanged
+    snapshot = registry.load_snapshot(wave=0, engines_running=False, now_s=2.0)
+    assert [(l.rank, l.num_running) for l in snapshot.loads] == [(0, 0), (1, 3)]
+    registry.mark_dead(0, "gone")
+    assert [l.rank for l in registry.load_snapshot(0, False, 3.0).loads] == [1]

@@ -1,0 +1,177 @@
+"""EngineCore end to end on a tiny random-weight model (2 layers, dim 64, vocab 300): milliseconds per test."""
+
+import dataclasses
+
+import msgspec
+
+import pytest
+import torch
+from dpserve_shared.schema import EngineRequest, FinishReason, ModelInfo, SamplingParams
+
+from dpserve_engine.config import EngineConfig
+from dpserve_engine.core import EngineCore
+from dpserve_engine.interface import InvalidRequest
+from dpserve_engine.model import ModelArgs, Precision, build_model
+
+pytestmark = pytest.mark.timeout(60)
+VOCAB, EOS = 300, 2
+ARGS = ModelArgs(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256, tie_embeddings=False)
+INFO = ModelInfo(name="tiny", root="memory", max_model_len=256, vocab_size=VOCAB, tokenizer_json="", eos_token_ids=[EOS])
+BASE = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return build_model(ARGS, None, Precision.fp32(), torch.device("cpu"))
+
+
+def engine(model, **overrides):
+    return EngineCore.from_model(dataclasses.replace(BASE, **overrides), model, INFO)
+
+
+def prompt(i, n=12):
+    return [(31 * i + 7 * j) % (VOCAB - 20) + 20 for j in range(n)]  # avoid EOS
+
+
+def greedy(max_tokens=8, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run(core, requests):
+    """Add (id, prompt, params) requests, step to the end; -> {id: [outputs]}."""
+    for rid, ids, params in requests:
+        core.add_request(EngineRequest(rid, ids, params))
+    outputs = {}
+    for _ in range(10_000):
+        if not core.has_unfinished():
+            return outputs
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError("engine did not finish")
+
+
+def tokens(outputs):
+    return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
+
+
+def solo(model, rid, ids, params, **overrides):
+    return tokens(run(engine(model, **overrides), [(rid, ids, params)]))[rid]
+
+
+def test_concurrent_equals_alone_and_budgets_hold(model):
+    core = engine(model, max_num_batched_tokens=16, max_num_seqs=3)
+    batches = []
+    original = core.runner.run
+    core.runner.run = lambda batch: (batches.append(list(batch.num_tokens)), original(batch))[1]
+    requests = [(f"r{i}", prompt(i, 5 + 4 * i), greedy(6)) for i in range(6)]
+    together = tokens(run(core, requests))
+    assert all(sum(b) <= 16 and len(b) <= 3 for b in batches)
+    assert any(len(b) > 1 and max(b) > 1 and min(b) == 1 for b in batches)  # decodes mixed with prefill chunks
+    for rid, ids, params in requests:
+        assert together[rid] == solo(model, rid, ids, params), rid
+    assert core.load().kv_blocks_used == 0
+
+
+def test_chunked_prefill_completes_and_matches_one_chunk(model):
+    ids = prompt(3, 70)
+    assert solo(model, "c", ids, greedy(), max_num_batched_tokens=8) == solo(model, "c", ids, greedy(), max_num_batched_tokens=128)
+
+
+def test_prefix_hits_after_a_repeated_prompt(model):
+    core = engine(model)
+    ids = prompt(5, 23)
+    first = run(core, [("a", ids, greedy())])["a"]
+    second = run(core, [("b", ids, greedy())])["b"]
+    assert first[0].num_cached_tokens == 0 and second[0].num_cached_tokens == 20
+    assert second[0].num_prompt_tokens == 23
+    assert tokens({"a": first})["a"] == tokens({"b": second})["b"]
+    load = core.load()
+    assert load.prefix_queries == 46 and load.prefix_hits == 20
+
+
+def test_preemption_and_resume_give_the_unpreempted_output(model):
+    requests = [(f"p{i}", prompt(i, 10), greedy(20)) for i in range(4)]
+    roomy = tokens(run(engine(model), requests))
+    core = engine(model, num_kv_blocks=16)  # 4 x 30 tokens need 32 blocks of 4
+    tight = tokens(run(core, requests))
+    assert core.load().num_preemptions > 0
+    assert tight == roomy
+    assert core.load().kv_blocks_used == 0
+
+
+def test_abort_frees_every_block(model):
+    core = engine(model, enable_prefix_caching=False)
+    for i in range(5):
+        core.add_request(EngineRequest(f"x{i}", prompt(i, 9), greedy(50)))
+    for _ in range(4):
+        core.step()
+    assert core.load().kv_blocks_used > 0
+    outs = core.abort([f"x{i}" for i in range(5)] + ["unknown"])
+    assert [o.finish_reason for o in outs] == [FinishReason.ABORT] * 5
+    assert core.load().kv_blocks_used == 0 and not core.has_unfinished()
+
+
+def test_seeded_sampling_is_batch_independent(model):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = solo(model, "s", prompt(1), params)
+    others = [(f"o{i}", prompt(i + 2), SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True)) for i in range(4)]
+    together = tokens(run(engine(model), others + [("s", prompt(1), params)]))
+    assert together["s"] == alone
+
+
+def test_logprobs_and_prompt_logprobs_shapes(model):
+    ids = prompt(4, 9)
+    outs = run(engine(model), [("l", ids, greedy(5, logprobs=3, prompt_logprobs=2))])["l"]
+    assert all(len(o.new_logprobs) == 1 and len(o.new_logprobs[0].top_ids) == 3 for o in outs)
+    assert all(o.new_logprobs[0].rank == 1 and o.new_logprobs[0].top_ids[0] == o.new_token_ids[0] for o in outs)
+    plp = outs[0].prompt_logprobs
+    assert len(plp) == 9 and plp[0] is None
+    assert [p.token_id for p in plp[1:]] == ids[1:] and all(len(p.top_ids) == 2 for p in plp[1:])
+    assert outs[1].prompt_logprobs is None
+    chunked = run(engine(model, max_num_batched_tokens=4, max_num_seqs=4), [("l", ids, greedy(5, logprobs=3, prompt_logprobs=2))])["l"]
+    assert [p.token_id for p in chunked[0].prompt_logprobs[1:]] == ids[1:]
+    assert chunked[0].prompt_logprobs[3].logprob == pytest.approx(plp[3].logprob, abs=1e-4)
+
+
+def test_stop_token_ids_and_min_tokens(model):
+    ids = prompt(6)
+    free = solo(model, "f", ids, greedy(8))
+    stop_at = free[2]
+    first = free.index(stop_at)
+    outs = run(engine(model), [("s", ids, greedy(8, stop_token_ids=[stop_at]))])["s"]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == stop_at
+    assert len(outs) == first + 1
+    held = run(engine(model), [("m", ids, greedy(8, stop_token_ids=[stop_at], min_tokens=first + 2))])["m"]
+    assert stop_at not in [t for o in held[: first + 2] for t in o.new_token_ids]
+    assert len(held) >= first + 2
+
+
+def test_eos_finishes_with_stop_unless_ignored(model):
+    ids = prompt(7)
+    first_token = solo(model, "f", ids, greedy(1))[0]
+    info = msgspec.structs.replace(INFO, eos_token_ids=[first_token])
+    core = EngineCore.from_model(BASE, model, info)
+    outs = run(core, [("e", ids, SamplingParams(temperature=0, max_tokens=5))])["e"]
+    assert len(outs) == 1 and outs[0].finish_reason == FinishReason.STOP and outs[0].stop_reason is None
+    outs = run(core, [("i", ids, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))])["i"]
+    assert len(outs) == 5 and outs[-1].finish_reason == FinishReason.LENGTH
+    outs = run(core, [("n", ids, SamplingParams(temperature=0, max_tokens=5, min_tokens=3))])["n"]
+    assert len(outs) >= 3 and first_token not in [o.new_token_ids[0] for o in outs[:3]]
+
+
+@pytest.mark.parametrize(
+    "ids, params, message",
+    [
+        ([], SamplingParams(), "empty"),
+        ([5] * 250, SamplingParams(max_tokens=10), "250"),
+        ([5, VOCAB], SamplingParams(), "[0, 300)"),
+        ([5, -1], SamplingParams(), "[0, 300)"),
+    ],
+)
+def test_invalid_requests(model, ids, params, message):
+    with pytest.raises(InvalidRequest, match=None) as info:
+        engine(model).add_request(EngineRequest("bad", ids, params))
+    assert message in str(info.value)
+    if message == "250":
+        assert "256" in str(info.value) and "10" in str(info.value)

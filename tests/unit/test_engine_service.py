@@ -1,0 +1,215 @@
+"""The engine service in-process, against a fake coordinator: registration, routing of outputs, errors, aborts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from dpserve_engine.null_core import NullEngineCore
+from dpserve_engine.service import EngineService, RegistrationFailed, ServiceSettings
+from dpserve_shared.codec import coordinator_decoder, encode, frontend_decoder
+from dpserve_shared.schema import (
+    EngineHello,
+    EngineOutputs,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    FrontendGone,
+    Heartbeat,
+    ModelInfo,
+    RegisterAck,
+    RegisterEngine,
+    SamplingParams,
+    Shutdown,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+MODEL = ModelInfo(name="null", root="-", max_model_len=256, vocab_size=2000, tokenizer_json="{}")
+
+
+class FakeCoordinator:
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.ROUTER)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.control_addr = f"tcp://127.0.0.1:{self.control.bind_to_random_port('tcp://127.0.0.1')}"
+        self.pub_addr = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.decoder = coordinator_decoder()
+
+    def recv(self, kind, timeout_s: float = 10.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.control.poll(100):
+                identity, data = self.control.recv_multipart()
+                msg = self.decoder.decode(data)
+                if isinstance(msg, kind):
+                    return identity, msg
+        raise AssertionError(f"no {kind.__name__} from the engine")
+
+    def close(self):
+        self.control.close(0)
+        self.pub.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def coordinator():
+    fake = FakeCoordinator()
+    yield fake
+    fake.close()
+
+
+def start_engine(coordinator, step_time_s: float = 0.0):
+    core = NullEngineCore(MODEL, step_time_s=step_time_s)
+    service = EngineService(ServiceSettings(coordinator_addr=coordinator.control_addr, rank=-1), core)
+    errors = []
+
+    def run():
+        try:
+            service.bind()
+            service.register()
+            service.run()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            service.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return service, thread, errors
+
+
+def register(coordinator, rank: int = 3) -> RegisterEngine:
+    identity, msg = coordinator.recv(RegisterEngine)
+    coordinator.control.send_multipart(
+        [identity, encode(RegisterAck(accepted=True, rank=rank, pub_addr=coordinator.pub_addr))]
+    )
+    return msg
+
+
+def frontend(service, ctx, name: bytes):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, name)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.input_addr)
+    return sock
+
+
+def outputs_until_finished(sock, request_ids: set[str]) -> dict[str, list]:
+    decoder = frontend_decoder()
+    found: dict[str, list] = {}
+    while not request_ids <= {r for r, outs in found.items() if outs[-1].finish_reason is not None}:
+        assert sock.poll(5000), f"no outputs; so far {found}"
+        msg = decoder.decode(sock.recv())
+        if isinstance(msg, EngineHello):
+            continue
+        assert isinstance(msg, EngineOutputs)
+        assert msg.load is not None and msg.load.rank == msg.engine_rank
+        for output in msg.outputs:
+            found.setdefault(output.request_id, []).append(output)
+    return found
+
+
+def test_registers_serves_routes_and_answers_errors(coordinator):
+    service, thread, errors = start_engine(coordinator)
+    msg = register(coordinator, rank=3)
+    assert msg.rank == -1 and msg.model == MODEL and msg.input_addr == service.input_addr
+    ctx = zmq.Context()
+    fe1, fe2 = frontend(service, ctx, b"fe-1"), frontend(service, ctx, b"fe-2")
+    fe1.send(encode(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=3))))
+    fe1.send(encode(EngineRequest("too-long", [1] * 300, SamplingParams(max_tokens=3))))
+    fe2.send(encode(EngineRequest("b", [4, 5], SamplingParams(max_tokens=2))))
+    got1 = outputs_until_finished(fe1, {"a", "too-long"})
+    got2 = outputs_until_finished(fe2, {"b"})
+    assert set(got1) == {"a", "too-long"} and set(got2) == {"b"}  # each frontend gets only its requests
+    assert sum(len(o.new_token_ids) for o in got1["a"]) == 3
+    assert got1["a"][-1].finish_reason == FinishReason.LENGTH
+    assert got1["too-long"][-1].finish_reason == FinishReason.ERROR
+    assert "max_model_len" in got1["too-long"][-1].error
+    coordinator.recv(Heartbeat)
+    coordinator.pub.send(encode(Shutdown(drain=False)))
+    deadline = time.monotonic() + 5
+    while thread.is_alive() and time.monotonic() < deadline:
+        coordinator.pub.send(encode(Shutdown(drain=False)))  # SUB may join late
+        thread.join(0.1)
+    assert not thread.is_alive() and not errors
+    assert service.rank == 3
+    ctx.destroy(0)
+
+
+def test_frontend_gone_aborts_its_requests(coordinator):
+    service, thread, errors = start_engine(coordinator, step_time_s=0.01)
+    register(coordinator)
+    ctx = zmq.Context()
+    fe = frontend(service, ctx, b"fe-gone")
+    fe.send(encode(EngineRequest("long", [1, 2], SamplingParams(max_tokens=200))))
+    deadline = time.monotonic() + 10
+    running = None
+    while running != 1:  # the engine reports the request running...
+        _, stats = coordinator.recv(EngineStats)
+        running = stats.load.num_running
+    while running != 0:  # ...and idle once the coordinator says its frontend is gone
+        assert time.monotonic() < deadline, "request still running after FrontendGone"
+        coordinator.pub.send(encode(FrontendGone("fe-gone")))
+        _, stats = coordinator.recv(EngineStats)
+        running = stats.load.num_running + stats.load.num_waiting
+    service.stop(drain=True, reason="test")
+    thread.join(5)
+    assert not thread.is_alive() and not errors
+    ctx.destroy(0)
+
+
+def test_refused_registration_fails_with_the_coordinators_reason(coordinator):
+    service, thread, errors = start_engine(coordinator)
+    identity, _ = coordinator.recv(RegisterEngine)
+    coordinator.control.send_multipart([identity, encode(RegisterAck(accepted=False, error="protocol mismatch"))])
+    thread.join(5)
+    assert len(errors) == 1 and isinstance(errors[0], RegistrationFailed)
+    assert "protocol mismatch" in str(errors[0])
+
+
+def test_registers_again_when_the_coordinator_goes_silent(coordinator, monkeypatch):
+    from dpserve_engine import service as service_module
+
+    monkeypatch.setattr(service_module, "COORDINATOR_SILENCE_S", 0.5)
+    service, thread, errors = start_engine(coordinator)
+    first = register(coordinator, rank=1)
+    # Nothing on the broadcast: the engine registers again, same id and rank; a "restarted" coordinator
+    # answers with a new broadcast address, where the engine is then listening.
+    identity, again = coordinator.recv(RegisterEngine)
+    assert (again.engine_id, again.rank) == (first.engine_id, 1)
+    new_pub = coordinator.ctx.socket(zmq.PUB)
+    new_pub_addr = f"tcp://127.0.0.1:{new_pub.bind_to_random_port('tcp://127.0.0.1')}"
+    coordinator.control.send_multipart([identity, encode(RegisterAck(accepted=True, rank=1, pub_addr=new_pub_addr))])
+    deadline = time.monotonic() + 5
+    while thread.is_alive() and time.monotonic() < deadline:
+        new_pub.send(encode(Shutdown(drain=False)))
+        thread.join(0.1)
+    new_pub.close(0)
+    assert not thread.is_alive() and not errors
+
+
+def test_failing_steps_fail_their_requests_then_end_the_engine(coordinator, monkeypatch):
+    service, thread, errors = start_engine(coordinator)
+    register(coordinator)
+
+    def broken_step():
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(service.core, "step", broken_step)
+    ctx = zmq.Context()
+    fe = frontend(service, ctx, b"fe-1")
+    fe.send(encode(EngineRequest("a", [1, 2], SamplingParams(max_tokens=3))))
+    got = outputs_until_finished(fe, {"a"})
+    assert got["a"][-1].finish_reason == FinishReason.ERROR
+    assert "out of memory" in got["a"][-1].error
+    for i in range(2):  # two more failures in a row end the loop
+        fe.send(encode(EngineRequest(f"b{i}", [1, 2], SamplingParams(max_tokens=3))))
+        outputs_until_finished(fe, {f"b{i}"})
+    thread.join(5)
+    assert not thread.is_alive() and not errors and service.exit_code == 1
+    ctx.destroy(0)

@@ -1,0 +1,87 @@
+"""Loading a Hugging Face Llama-family directory, and the errors for anything else."""
+
+import json
+
+import pytest
+import torch
+from dpserve_shared.schema import EngineRequest, SamplingParams
+
+from dpserve_engine.config import EngineConfig
+from dpserve_engine.core import EngineCore
+from dpserve_engine.loader import load_hf_dir
+from dpserve_engine.model import ModelArgs, Precision, build_model
+from dpserve_engine.tokenizer import ModelNotFound, load_model_info, resolve_model_path
+
+pytestmark = pytest.mark.timeout(60)
+ARGS = ModelArgs(vocab_size=260, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=128, tie_embeddings=False)
+
+
+def hf_state(args: ModelArgs) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    hd, state = args.head_dim, {}
+    rand = lambda *shape: torch.randn(*shape, generator=g) / shape[-1] ** 0.5  # noqa: E731
+    state["model.embed_tokens.weight"] = rand(args.vocab_size, args.dim)
+    state["lm_head.weight"] = rand(args.vocab_size, args.dim)
+    state["model.norm.weight"] = torch.ones(args.dim)
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        state[p + "self_attn.q_proj.weight"] = rand(args.n_heads * hd, args.dim)
+        state[p + "self_attn.k_proj.weight"] = rand(args.n_kv_heads * hd, args.dim)
+        state[p + "self_attn.v_proj.weight"] = rand(args.n_kv_heads * hd, args.dim)
+        state[p + "self_attn.o_proj.weight"] = rand(args.dim, args.n_heads * hd)
+        state[p + "mlp.gate_proj.weight"] = rand(args.ffn_dim, args.dim)
+        state[p + "mlp.up_proj.weight"] = rand(args.ffn_dim, args.dim)
+        state[p + "mlp.down_proj.weight"] = rand(args.dim, args.ffn_dim)
+        state[p + "input_layernorm.weight"] = torch.ones(args.dim)
+        state[p + "post_attention_layernorm.weight"] = torch.ones(args.dim)
+    return state
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    state = hf_state(ARGS)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    config = {
+        "model_type": "llama", "vocab_size": ARGS.vocab_size, "hidden_size": ARGS.dim,
+        "num_hidden_layers": ARGS.n_layers, "num_attention_heads": ARGS.n_heads,
+        "num_key_value_heads": ARGS.n_kv_heads, "intermediate_size": ARGS.ffn_dim, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False, "eos_token_id": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    vocab = {chr(i) if i < 256 else f"<s{i}>": i for i in range(ARGS.vocab_size)}  # byte-level-ish toy vocab
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    return tmp_path, state
+
+
+def test_hf_directory_loads_and_generates_like_the_in_memory_model(hf_dir):
+    path, state = hf_dir
+    args, loaded = load_hf_dir(str(path))
+    assert args == ARGS
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
+    info = load_model_info(config)
+    assert info.max_model_len == 128 and info.eos_token_ids == [2] and info.chat_template
+    from_dir = EngineCore(config)
+    in_memory = EngineCore.from_model(config, build_model(ARGS, state, Precision.fp32(), torch.device("cpu")), info)
+    outs = []
+    for core in (from_dir, in_memory):
+        core.add_request(EngineRequest("r", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+        tokens = []
+        while core.has_unfinished():
+            tokens += [t for o in core.step() for t in o.new_token_ids]
+        outs.append(tokens)
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
+def test_missing_files_are_named(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFound, match=r"tokenizer\.json.*safetensors"):
+        resolve_model_path(str(tmp_path))
+    with pytest.raises(ModelNotFound, match="not found"):
+        resolve_model_path(str(tmp_path / "nope"))
