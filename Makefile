@@ -41,3 +41,8 @@ test-fast: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Engine efficiency (EngineCore loop vs bare forward), then the serving comparisons; results go to docs/benchmarks.md.
+bench: install
+	$(BIN)/dpserve bench engine
+	$(BIN)/python benchmarks/compare.py

@@ -12,4 +12,5 @@ exec dpserve-coordinator \
   --data-parallel-rpc-port "${DPSERVE_RPC_PORT:-29550}" \
   --data-parallel-size "${DPSERVE_DP_SIZE:-2}" \
   --data-parallel-size-local "${DPSERVE_DP_SIZE_LOCAL:-0}" \
+  --ray-wait-for-nodes-s "${DPSERVE_WAIT_FOR_NODES_S:-120}" \
   --model "${DPSERVE_MODEL:-smollm2}" "$@"

@@ -60,7 +60,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per engine on CPU")
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--device", default=None, help="cpu or cuda; default: cuda when available")
+    parser.add_argument(
+        "--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+        help="engine precision; auto (default): float32 on CPU, bf16 on CUDA",
+    )
+    parser.add_argument("--quantization", default=None, choices=["int4"], help="int4: GGUF 4-bit weights (CPU)")
     parser.add_argument("--null-engine", action="store_true", help="no model: engines emit tokens on a fixed step time")
     parser.add_argument("--null-step-time-ms", type=float, default=None)
     parser.add_argument("--engine-startup-timeout-s", type=float, default=300.0)
@@ -125,6 +130,8 @@ def coordinator_command(args: argparse.Namespace, ready_file: str) -> list[str]:
         "--num-kv-blocks": args.num_kv_blocks,
         "--num-threads": args.num_threads,
         "--device": args.device,
+        "--dtype": args.dtype,
+        "--quantization": args.quantization,
         "--null-step-time-ms": args.null_step_time_ms,
     }
     for flag, value in optional.items():
@@ -305,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="serve a model: coordinator, engine ranks and API servers")
     add_serve_flags(serve_parser)
+    bench = commands.add_parser("bench", help="benchmarks: `bench serve` (any OpenAI URL), `bench engine` (EngineCore)")
+    bench.add_argument("kind", choices=["serve", "engine"], help="serve: HTTP load test; engine: engine efficiency")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags (see its --help)")
     return parser
 
 
@@ -317,6 +327,14 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as e:
             parser.error(str(e))
         return serve(args)
+    if args.command == "bench":
+        if args.kind == "serve":
+            from dpserve import bench_serve
+
+            return bench_serve.main(args.bench_args) or 0
+        from dpserve_engine import bench as engine_bench  # imports torch: only for this command
+
+        return engine_bench.main(args.bench_args) or 0
     parser.error(f"unknown command {args.command}")
     return 2
 

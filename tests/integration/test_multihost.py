@@ -128,11 +128,20 @@ def _served_per_rank(metrics_text: str) -> dict[int, float]:
     return served
 
 
+def _wait_no_engine_actors(hosts, env, timeout_s: float = 90.0) -> None:
+    """The previous deployment's actors must be gone before the next one's placement is read."""
+    deadline = time.time() + timeout_s
+    while json.loads(_run_in(hosts, 0, _PLACEMENT, env)):
+        assert time.time() < deadline, "engine actors of a stopped deployment are still alive"
+        time.sleep(1)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("local", [2, 0])
 def test_ranks_land_on_the_right_hosts_and_all_serve(cluster, local):
     hosts, env = cluster
     head_ip = hosts.ips[0]
+    _wait_no_engine_actors(hosts, env)
     log = tempfile.NamedTemporaryFile("w+", prefix="dpserve-netns-serve-", suffix=".log", delete=False)
     server = subprocess.Popen(
         hosts.cmd(0, [DPSERVE, "serve", "--ray-address", f"{head_ip}:{RAY_PORT}",
@@ -144,17 +153,18 @@ def test_ranks_land_on_the_right_hosts_and_all_serve(cluster, local):
     url = f"http://{head_ip}:{HTTP_PORT}"
     try:
         _run_in(hosts, 0, textwrap.dedent(f"""
-            import time, urllib.request
+            import json, time, urllib.request
             deadline = time.time() + 600
             while True:
                 try:
-                    if urllib.request.urlopen("{url}/health", timeout=2).status == 200: break
+                    # "ok", not "degraded": every rank is connected, not just the first one up.
+                    if json.load(urllib.request.urlopen("{url}/health", timeout=2)).get("status") == "ok": break
                 except Exception:
                     if time.time() > deadline: raise
                 time.sleep(1)
             """), env, timeout=660)
         placement = {int(k): v for k, v in json.loads(_run_in(hosts, 0, _PLACEMENT, env)).items()}
-        assert sorted(placement) == [0, 1, 2, 3]
+        assert sorted(placement) == [0, 1, 2, 3], placement
         for rank, ip in placement.items():
             if rank < local:
                 assert ip == head_ip, f"rank {rank} should be on the head, is on {ip}"

@@ -26,17 +26,18 @@ def test_gpu_cluster_uses_gpu_device_bundles():
     assert plan[0].bundles == ({"GPU": 1.0, f"node:{HEAD}": 0.001}, {"CPU": 1.0})
 
 
-def test_local_ranks_first_then_other_nodes_in_order():
+def test_local_ranks_first_then_other_nodes_spread_by_free_resources():
     nodes = [node("10.0.0.3", CPU=4), node(HEAD, CPU=4), node("10.0.0.2", CPU=4)]
     plan = plan_placement(nodes, HEAD, data_parallel_size=5, data_parallel_size_local=1)
     assert [(p.rank, p.node_ip, p.is_on_head) for p in plan] == [
         (0, HEAD, True),
         (1, "10.0.0.2", False),
-        (2, "10.0.0.2", False),
-        (3, "10.0.0.3", False),
+        (2, "10.0.0.3", False),
+        (3, "10.0.0.2", False),
         (4, "10.0.0.3", False),
     ]
-    assert plan[1].bundles == ({"CPU": 1.0}, {"CPU": 1.0})  # not pinned
+    # Pinned to the chosen node, so Ray cannot move the group onto the head.
+    assert plan[1].bundles == ({"CPU": 1.0, "node:10.0.0.2": 0.001}, {"CPU": 1.0})
 
 
 def test_size_local_zero_keeps_the_head_free():

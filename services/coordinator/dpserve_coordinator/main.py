@@ -24,6 +24,8 @@ ENGINE_FLAGS: list[tuple[str, type | None]] = [
     ("--null-step-time-ms", float),
     ("--num-threads", int),
     ("--device", str),
+    ("--dtype", str),
+    ("--quantization", str),
     ("--null-engine", None),
 ]
 

@@ -3,7 +3,8 @@
 One STRICT_PACK placement group per rank. Bundle 0 is the rank's device (`{"GPU": 1}` when the cluster has
 GPUs, else `{"CPU": 1}`), bundle 1 is `{"CPU": 1}` for the engine-host actor. The first
 `data_parallel_size_local` ranks are pinned to the head node (the node the coordinator runs on) through a tiny
-amount of its `node:<ip>` resource; the others go to the other nodes, filled in node order. A layout that cannot
+amount of its `node:<ip>` resource; the others go to the other nodes (each pinned the same way to the node
+chosen for it here). A layout that cannot
 fit fails here, before anything is reserved, with a message that names the missing resources.
 """
 
@@ -105,11 +106,15 @@ def plan_placement(
         _take(free[head.node_id], head_need)
         plan.append(RankPlacement(rank, head_ip, True, head_bundles))
 
-    other_bundles = rank_bundles(use_gpu, None)
-    other_need = _needs(other_bundles)
+    # Ranks off the head are pinned to the node chosen here too: an unpinned STRICT_PACK group could be put on the
+    # head by Ray whenever the head has free CPUs (with `--data-parallel-size-local 0` it would).
+    other_need = _needs(rank_bundles(use_gpu, None))
     others = sorted((n for n in nodes if n.node_id != head.node_id), key=lambda n: n.node_ip)
     for rank in range(data_parallel_size_local, data_parallel_size):
-        node = next((n for n in others if _fits(free[n.node_id], other_need)), None)
+        # Spread: the node with the most free device resource takes the next rank (ties: lowest IP).
+        device_key = "GPU" if use_gpu else "CPU"
+        fitting = [n for n in others if _fits(free[n.node_id], other_need)]
+        node = max(fitting, key=lambda n: free[n.node_id].get(device_key, 0.0), default=None)
         if node is None:
             missing = list(range(rank, data_parallel_size))
             have = "; ".join(f"{n.node_ip}: {_describe(free[n.node_id]) or 'nothing'}" for n in others) or "none"
@@ -118,5 +123,5 @@ def plan_placement(
                 f"free on other nodes: {have}; add Ray nodes or raise --data-parallel-size-local"
             )
         _take(free[node.node_id], other_need)
-        plan.append(RankPlacement(rank, node.node_ip, False, other_bundles))
+        plan.append(RankPlacement(rank, node.node_ip, False, rank_bundles(use_gpu, node.node_ip)))
     return plan

@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--null-step-time-ms", type=float, default=0.0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     parser.add_argument("--device", default=None, help="cpu or cuda; default: cuda when available")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="auto: float32 on CPU (greedy-exact), bf16 with an fp32 LM head on CUDA",
+    )
+    parser.add_argument(
+        "--quantization", default=None, choices=["int4"],
+        help="int4: run the GGUF's 4-bit linear weights in torch's int4 CPU kernel",
+    )
     return parser
 
 
@@ -118,6 +126,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         device=args.device,
         num_threads=args.num_threads,
+        dtype=args.dtype,
+        quantization=args.quantization,
         null_engine=args.null_engine,
         null_step_time_s=args.null_step_time_ms / 1000.0,
     )
