@@ -17,7 +17,8 @@ import urllib.request
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import engine_metrics
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -55,17 +56,7 @@ def _model(server) -> str:
 
 
 def _metrics(server) -> dict[str, dict[int, float]]:
-    """Per-engine samples from /metrics: metric name -> rank -> value (summed over other labels)."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    found: dict[str, dict[int, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if "engine" in sample.labels:
-                per_rank = found.setdefault(sample.name, {})
-                rank = int(sample.labels["engine"])
-                per_rank[rank] = per_rank.get(rank, 0.0) + sample.value
-    return found
+    return engine_metrics(server.url)
 
 
 def _served_per_rank(server) -> dict[int, float]:

@@ -20,9 +20,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
+from tests.conftest import engine_metrics, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -71,15 +70,7 @@ def _complete(base_url: str, max_tokens: int = 4, headers: dict | None = None) -
 
 
 def _metrics(base_url: str) -> dict[str, dict[int, float]]:
-    _, text = _get(base_url + "/metrics")
-    found: dict[str, dict[int, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if "engine" in sample.labels:
-                per_rank = found.setdefault(sample.name, {})
-                rank = int(sample.labels["engine"])
-                per_rank[rank] = per_rank.get(rank, 0.0) + sample.value
-    return found
+    return engine_metrics(base_url)
 
 
 def _wait_for(predicate, timeout_s: float, what: str):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import logging
 from collections.abc import Iterable
 
@@ -72,6 +74,7 @@ class EngineCore(EngineCoreBase):
     def add_request(self, request: EngineRequest) -> None:
         self._validate(request)
         seq = Sequence(request.request_id, request.prompt_token_ids, request.sampling, self.num_arrivals)
+        seq.arrival_s = time.monotonic()
         self.num_arrivals += 1
         self.requests[request.request_id] = seq
         self.scheduler.add(seq)
@@ -177,6 +180,8 @@ class EngineCore(EngineCoreBase):
             output.num_cached_tokens = seq.num_cached_tokens
             output.num_prompt_tokens = seq.num_prompt_tokens
             output.prompt_logprobs = seq.prompt_logprobs
+            if seq.first_scheduled_s is not None and seq.arrival_s is not None:
+                output.queue_time_s = seq.first_scheduled_s - seq.arrival_s
         return output
 
     def load(self) -> EngineLoad:

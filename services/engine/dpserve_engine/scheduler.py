@@ -13,6 +13,8 @@ needs more blocks than exist, the oldest running sequence can always make progre
 
 from __future__ import annotations
 
+import time
+
 import collections
 import dataclasses
 
@@ -93,6 +95,8 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = time.monotonic()
             self.running.append(seq)
             admitted.append((seq, num_tokens))
             budget -= num_tokens

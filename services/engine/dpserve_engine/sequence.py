@@ -35,6 +35,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, in order
         self.is_first_output = True
         self.was_admitted = False
+        self.arrival_s: float | None = None  # time.monotonic() when the engine got it
+        self.first_scheduled_s: float | None = None  # when it was first admitted (queue time = the difference)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         # Prompt logprobs need every prompt position computed here, so such requests skip the prefix cache.
