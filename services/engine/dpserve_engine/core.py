@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import logging
+import time
 from collections.abc import Iterable
 
 import torch

@@ -13,10 +13,9 @@ needs more blocks than exist, the oldest running sequence can always make progre
 
 from __future__ import annotations
 
-import time
-
 import collections
 import dataclasses
+import time
 
 from dpserve_engine.block_manager import BlockManager
 from dpserve_engine.sequence import Sequence, SequenceStatus

@@ -9,13 +9,12 @@ from aiohttp import web
 
 from dpserve_shared.schema import SamplingParams, TokenLogprob
 
-from dpserve_frontend.errors import APIError, BadRequest
+from dpserve_frontend.errors import BadRequest
 from dpserve_frontend.generation import Generation, GenerationSpec, PromptInput, SeqDelta, new_request_id
 from dpserve_frontend.http_util import (
-    SSEStream,
+    respond,
     chunk_template,
     clean_logprob,
-    json_response,
     pinned_rank,
     read_request,
     resolve_max_tokens,
@@ -222,24 +221,6 @@ async def create_chat_completion(request: web.Request, state: FrontendState) -> 
     chat = _ChatCompletion(state, req, generation)
     try:
         generation.start()
-        if not req.stream:
-            async for _ in generation.deltas():
-                pass
-            return json_response(chat.final())
-        stream = SSEStream(request)
-        await stream.prepare()
-        try:
-            for seq in generation.seqs:
-                await stream.send(chat.role_chunk(seq.index))
-            async for batch in generation.deltas():
-                events = [event for event in map(chat.delta_event, batch) if event is not None]
-                if events:
-                    await stream.send_events(events)
-        except APIError as e:
-            await stream.send_error(e)
-            return await stream.done()
-        # the usage chunk (if asked) goes out with [DONE]
-        last = (sse_event({**chat.chunk([]), "usage": usage(generation)}),) if chat.include_usage else ()
-        return await stream.done(last)
+        return await respond(request, generation, chat, req.stream, tuple(chat.role_chunk(q.index) for q in generation.seqs))
     finally:
         generation.close()

@@ -9,13 +9,12 @@ from aiohttp import web
 
 from dpserve_shared.schema import SamplingParams, TokenLogprob
 
-from dpserve_frontend.errors import APIError, BadRequest
+from dpserve_frontend.errors import BadRequest
 from dpserve_frontend.generation import Generation, GenerationSpec, PromptInput, SeqDelta, Sequence, new_request_id
 from dpserve_frontend.http_util import (
-    SSEStream,
+    respond,
     chunk_template,
     clean_logprob,
-    json_response,
     pinned_rank,
     read_request,
     resolve_max_tokens,
@@ -226,22 +225,6 @@ async def create_completion(request: web.Request, state: FrontendState) -> web.S
     completion = _Completion(state, req, generation)
     try:
         generation.start()
-        if not req.stream:
-            async for _ in generation.deltas():
-                pass
-            return json_response(completion.final())
-        stream = SSEStream(request)
-        await stream.prepare()
-        try:
-            async for batch in generation.deltas():
-                events = [event for event in map(completion.delta_event, batch) if event is not None]
-                if events:
-                    await stream.send_events(events)
-        except APIError as e:
-            await stream.send_error(e)
-            return await stream.done()
-        # the usage chunk (if asked) goes out with [DONE]
-        last = (sse_event({**completion.chunk([]), "usage": usage(generation)}),) if completion.include_usage else ()
-        return await stream.done(last)
+        return await respond(request, generation, completion, req.stream)
     finally:
         generation.close()

@@ -133,3 +133,32 @@ class SSEStream:
         """`last_events` (the usage chunk), `data: [DONE]` and the end of the body, in one write."""
         await self.response.write_eof(b"".join((*last_events, b"data: [DONE]\n\n")))
         return self.response
+
+
+async def respond(
+    request: web.Request, generation: Generation, view, is_stream: bool, leading: tuple[dict, ...] = ()
+) -> web.StreamResponse:
+    """Run a started generation and answer with `view`'s JSON body, or stream it as SSE.
+
+    `view` is the endpoint's response builder: `final()`, `delta_event(delta) -> bytes | None`, `chunk(choices)`
+    and `include_usage`. `leading` chunks (chat's role chunks) go out before the first delta.
+    """
+    if not is_stream:
+        async for _ in generation.deltas():
+            pass
+        return json_response(view.final())
+    stream = SSEStream(request)
+    await stream.prepare()
+    try:
+        for chunk in leading:
+            await stream.send(chunk)
+        async for batch in generation.deltas():
+            events = [event for event in map(view.delta_event, batch) if event is not None]
+            if events:
+                await stream.send_events(events)
+    except APIError as e:
+        await stream.send_error(e)
+        return await stream.done()
+    # the usage chunk (if asked) goes out with [DONE]
+    last = (sse_event({**view.chunk([]), "usage": usage(generation)}),) if view.include_usage else ()
+    return await stream.done(last)
