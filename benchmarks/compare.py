@@ -112,7 +112,7 @@ class Server:
         self,
         name: str,
         dp: int,
-        threads_per_rank: int,
+        threads_per_rank: int | None,
         null_engine: bool = False,
         api_servers: int = 1,
         extra: list[str] | None = None,
@@ -130,7 +130,7 @@ class Server:
             flag("--data-parallel-backend"), "mp",
             flag("--data-parallel-rpc-port"), str(self.rpc_port),
         ]  # fmt: skip
-        if "--num-threads" in serve_help() and not null_engine:
+        if threads_per_rank is not None and "--num-threads" in serve_help() and not null_engine:
             self.cmd += ["--num-threads", str(threads_per_rank)]
         if api_servers != 1:
             self.cmd += [flag("--api-server-count", "--num-api-servers", "--api-servers"), str(api_servers)]
@@ -139,7 +139,9 @@ class Server:
         self.cmd += extra or []
         self.env = dict(os.environ)
         # The mp launcher passes its environment to the engines: one setting for every rank's torch threads.
-        self.env.update(OMP_NUM_THREADS=str(threads_per_rank), MKL_NUM_THREADS=str(threads_per_rank))
+        # None: dpserve's default (each rank starts at cores / ranks and adapts to which ranks have work).
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // dp)
+        self.env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"dpserve-compare-{name}-{self.port}.log")
         self.proc: subprocess.Popen | None = None
 
@@ -452,8 +454,8 @@ def llama_cpp(opts, results: dict) -> None:
             for name, _, key in scenarios
         }
         results["llama_cpp"]["setup"] = (
-            f"llama-server -t 2 --parallel 32 {opts.llama_args}; dpserve DP=2 mp, {opts.dpserve_threads} thread(s) "
-            f"per rank {opts.dpserve_args}; 128 prompt / 64 output tokens, ignore_eos, completions, streaming"
+            f"llama-server -t 2 --parallel 32 {opts.llama_args}; dpserve DP=2 mp, {opts.dpserve_threads or 'adaptive'} "
+            f"thread(s) per rank {opts.dpserve_args}; 128 prompt / 64 output tokens, ignore_eos, completions, streaming"
         )
     finally:
         llama.stop()
@@ -554,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-args", default="", help="extra llama-server arguments")
     p.add_argument("--llama-requests", type=int, default=160, help="requests per c=32 point (5 x 32)")
     p.add_argument("--llama-c1-requests", type=int, default=10)
-    p.add_argument("--dpserve-threads", type=int, default=1, help="torch threads per rank for the llama comparison")
+    p.add_argument("--dpserve-threads", type=int, default=None,
+                   help="torch threads per rank for the llama comparison (default: dpserve's own, adaptive)")
     p.add_argument("--dpserve-args", default="", help="extra `dpserve serve` arguments for the llama comparison")
     p.add_argument("--log-dir", default=None, help="server logs (default: the temp dir)")
     p.add_argument("--output-json", default=None)

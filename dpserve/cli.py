@@ -8,6 +8,8 @@ coordinator (engines, actors, placement groups, Ray). A second signal kills ever
 
 Each child runs in its own process group (a terminal's Ctrl-C reaches only this process, which then stops the
 children in order) and gets SIGTERM if this process dies (PR_SET_PDEATHSIG).
+
+`dpserve scale --data-parallel-size K` adds or removes engine ranks of a running deployment (scale.py).
 """
 
 from __future__ import annotations
@@ -65,7 +67,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, choices=["auto", "float32", "bfloat16"],
         help="engine precision; auto (default): float32 on CPU, bf16 on CUDA",
     )
-    parser.add_argument("--quantization", default=None, choices=["int4"], help="int4: GGUF 4-bit weights (CPU)")
+    parser.add_argument(
+        "--quantization", default=None, choices=["auto", "int4", "none"],
+        help="auto (default): the GGUF's 4-bit weights in torch's int4 kernel on CPU; none: dequantized weights",
+    )
     parser.add_argument("--null-engine", action="store_true", help="no model: engines emit tokens on a fixed step time")
     parser.add_argument("--null-step-time-ms", type=float, default=None)
     parser.add_argument("--engine-startup-timeout-s", type=float, default=300.0)
@@ -312,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="serve a model: coordinator, engine ranks and API servers")
     add_serve_flags(serve_parser)
+    scale_parser = commands.add_parser(
+        "scale", help="add or remove engine ranks of a running deployment (waits until the step is done)"
+    )
+    from dpserve.scale import add_scale_flags
+
+    add_scale_flags(scale_parser)
     bench = commands.add_parser("bench", help="benchmarks: `bench serve` (any OpenAI URL), `bench engine` (EngineCore)")
     bench.add_argument("kind", choices=["serve", "engine"], help="serve: HTTP load test; engine: engine efficiency")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags (see its --help)")
@@ -327,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as e:
             parser.error(str(e))
         return serve(args)
+    if args.command == "scale":
+        if args.data_parallel_size < 1:
+            parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+        from dpserve.scale import scale
+
+        return scale(args)
     if args.command == "bench":
         if args.kind == "serve":
             from dpserve import bench_serve

@@ -148,10 +148,14 @@ class StartWave(_Msg, tag="start_wave"):
 
 
 class Shutdown(_Msg, tag="shutdown"):
-    """Coordinator -> engine: finish (drain) or stop now."""
+    """Coordinator -> engine: finish (drain) or stop now.
+
+    Broadcast on PUB when the coordinator stops; sent to one engine on the control socket when a scale-down
+    removes its rank. `drain_timeout_s` > 0 replaces the engine's own --drain-timeout-s for this drain."""
 
     drain: bool = True
     reason: str = ""
+    drain_timeout_s: float = 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -240,7 +244,13 @@ class StartWaveRequest(_Msg, tag="start_wave_request"):
 
 
 class ScaleRequest(_Msg, tag="scale"):
+    """Admin (`dpserve scale`) -> coordinator: make the deployment ranks 0..data_parallel_size-1.
+
+    `drain_timeout_s`: how long a removed rank may take to finish its in-flight requests (0: the coordinator's
+    default) before the rest are aborted."""
+
     data_parallel_size: int
+    drain_timeout_s: float = 0.0
 
 
 class ReleaseRequests(_Msg, tag="release"):
@@ -277,9 +287,17 @@ class RegisterAck(_Msg, tag="register_ack"):
 
 
 class ScaleAck(_Msg, tag="scale_ack"):
+    """Coordinator -> the ScaleRequest's sender, twice: when the step is accepted or refused (is_complete False
+    unless refused or nothing to do), and when it has finished (is_complete True; accepted False if it failed,
+    with the error). `pub_addr` lets the sender follow the step's Topology broadcasts; `topology` is the
+    registry's view when the message was sent."""
+
     accepted: bool
     error: str | None = None
     data_parallel_size: int = 0
+    is_complete: bool = False
+    pub_addr: str = ""
+    topology: Topology | None = None
 
 
 class FrontendGone(_Msg, tag="frontend_gone"):

@@ -50,6 +50,11 @@ class EngineLauncher(abc.ABC):
     async def wait_exit(self, rank: int) -> str:
         """Resolve when the rank's engine process is gone, with a reason for the logs."""
 
+    async def stop(self, rank: int, timeout_s: float) -> None:
+        """Stop one rank for good (a scale-down): SIGTERM its process, SIGKILL after `timeout_s`, and release what
+        was reserved for it. A rank this launcher did not start (a hand-started engine) is a no-op."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stop single ranks")
+
     @abc.abstractmethod
     async def close(self, timeout_s: float) -> None:
         """Stop every engine (SIGTERM, then SIGKILL after `timeout_s`) and release what was reserved."""
@@ -87,6 +92,22 @@ class MpLauncher(EngineLauncher):
     def describe(self, rank: int) -> str:
         proc = self._procs.get(rank)
         return f"pid {proc.pid}" if proc else ""
+
+    async def stop(self, rank: int, timeout_s: float) -> None:
+        proc = self._procs.pop(rank, None)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while proc.poll() is None and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.poll() is None:
+                log.warning("rank %d: engine process %d still alive %.0f s after SIGTERM: SIGKILL", rank, proc.pid,
+                            timeout_s)
+                proc.kill()
+        await asyncio.to_thread(proc.wait)
+        log.info("rank %d: engine process %d stopped (exit code %s)", rank, proc.pid, proc.returncode)
 
     async def close(self, timeout_s: float) -> None:
         alive = [p for p in self._procs.values() if p.poll() is None]

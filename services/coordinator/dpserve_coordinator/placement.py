@@ -6,6 +6,10 @@ GPUs, else `{"CPU": 1}`), bundle 1 is `{"CPU": 1}` for the engine-host actor. Th
 amount of its `node:<ip>` resource; the others go to the other nodes (each pinned the same way to the node
 chosen for it here). A layout that cannot
 fit fails here, before anything is reserved, with a message that names the missing resources.
+
+A rank added later by a scale-up (`plan_added_rank`) is planned alone from the cluster's free resources at that
+moment: the node with the most free device resource takes it, the head included unless the deployment was
+started API-only on the head (`data_parallel_size_local` 0); `data_parallel_size_local` applies at start only.
 """
 
 from __future__ import annotations
@@ -125,3 +129,23 @@ def plan_placement(
         _take(free[node.node_id], other_need)
         plan.append(RankPlacement(rank, node.node_ip, False, rank_bundles(use_gpu, node.node_ip)))
     return plan
+
+
+def plan_added_rank(nodes: list[NodeResources], head_ip: str, rank: int, may_use_head: bool) -> RankPlacement:
+    """Place one rank added at runtime on the node with the most free device resource (ties: off the head, then
+    the lowest IP); `nodes` carry the resources free now (other ranks' groups already taken out)."""
+    use_gpu = any(n.resources.get("GPU", 0) > 0 for n in nodes)
+    need = _needs(rank_bundles(use_gpu, None))
+    device_key = "GPU" if use_gpu else "CPU"
+    candidates = sorted((n for n in nodes if may_use_head or n.node_ip != head_ip), key=lambda n: n.node_ip)
+    fitting = [n for n in candidates if _fits(n.resources, need)]
+    node = max(fitting, key=lambda n: (n.resources.get(device_key, 0.0), n.node_ip != head_ip), default=None)
+    if node is None:
+        have = "; ".join(f"{n.node_ip}: {_describe(n.resources) or 'nothing'}" for n in candidates) or "none"
+        where = "Ray nodes" if may_use_head else "non-head Ray nodes (the head is API-only)"
+        raise PlacementError(
+            f"rank {rank} does not fit on the {where}: it needs {_describe(need)}, free: {have}; "
+            "add Ray nodes or free resources"
+        )
+    is_on_head = node.node_ip == head_ip
+    return RankPlacement(rank, node.node_ip, is_on_head, rank_bundles(use_gpu, node.node_ip))

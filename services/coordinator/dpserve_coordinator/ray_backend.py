@@ -25,7 +25,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dpserve_coordinator.launcher import EngineLauncher, LaunchError, engine_command
-from dpserve_coordinator.placement import ACTOR_BUNDLE, DEVICE_BUNDLE, PlacementError, nodes_from_ray, plan_placement
+from dpserve_coordinator.placement import (
+    ACTOR_BUNDLE,
+    DEVICE_BUNDLE,
+    PlacementError,
+    nodes_from_ray,
+    plan_added_rank,
+    plan_placement,
+)
 from dpserve_coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
@@ -165,7 +172,9 @@ class RayLauncher(EngineLauncher):
                     next_log = time.monotonic() + 10.0
                 time.sleep(1.0)
 
-    def _plan(self) -> None:
+    @staticmethod
+    def _free_nodes():
+        """(alive nodes with their free resources, the head node's IP)."""
         head_node_id = ray.get_runtime_context().get_node_id()
         ray_nodes = ray.nodes()
         head_ip = next(n["NodeManagerAddress"] for n in ray_nodes if n["NodeID"] == head_node_id)
@@ -175,7 +184,21 @@ class RayLauncher(EngineLauncher):
             available = available_resources_per_node()
         except Exception:  # noqa: BLE001
             available = None
-        nodes = nodes_from_ray(ray_nodes, available)
+        return nodes_from_ray(ray_nodes, available), head_ip
+
+    def _plan_added_rank(self, rank: int) -> None:
+        """A rank added by a scale-up: planned alone, from what is free in the cluster now."""
+        nodes, head_ip = self._free_nodes()
+        try:
+            p = plan_added_rank(nodes, head_ip, rank, may_use_head=self._settings.data_parallel_size_local > 0)
+        except PlacementError as e:
+            raise LaunchError(str(e)) from None
+        self._placements[rank] = p
+        log.info("rank %d: placement on %s%s, bundles %s", rank, p.node_ip, " (head)" if p.is_on_head else "",
+                 p.bundles)
+
+    def _plan(self) -> None:
+        nodes, head_ip = self._free_nodes()
         try:
             plan = plan_placement(
                 nodes, head_ip, self._settings.data_parallel_size, self._settings.data_parallel_size_local
@@ -204,6 +227,8 @@ class RayLauncher(EngineLauncher):
     # -- EngineLauncher -----------------------------------------------------------------------------------------
 
     async def start(self, rank: int) -> None:
+        if rank not in self._placements:  # added by a scale-up
+            await asyncio.to_thread(self._plan_added_rank, rank)
         p = self._placements[rank]
         old = self._actors.pop(rank, None)
         if old is not None:  # a restart: the old host's name must be free before the new one takes it
@@ -245,6 +270,26 @@ class RayLauncher(EngineLauncher):
     def describe(self, rank: int) -> str:
         p = self._placements.get(rank)
         return f"actor {actor_name(rank)} on {p.node_ip}" if p else ""
+
+    async def stop(self, rank: int, timeout_s: float) -> None:
+        """Stop the rank's engine through its actor, kill the actor, remove its placement group."""
+        actor = self._actors.pop(rank, None)
+        group = self._groups.pop(rank, None)
+        self._placements.pop(rank, None)
+        if actor is not None:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(actor.stop.remote(timeout_s).future()), timeout_s + 2)
+            except (asyncio.TimeoutError, ray.exceptions.RayActorError) as e:
+                log.warning("rank %d: actor %s did not stop its engine cleanly: %s", rank, actor_name(rank), e)
+            ray.kill(actor)
+            try:
+                await _wait_name_free(actor_name(rank))  # a later scale-up may take the name again
+            except LaunchError as e:
+                log.warning("rank %d: %s", rank, e)
+        if group is not None:
+            remove_placement_group(group)
+        if actor is not None or group is not None:
+            log.info("rank %d: actor %s killed, placement group dpserve-rank-%d removed", rank, actor_name(rank), rank)
 
     async def close(self, timeout_s: float) -> None:
         if self._closed:

@@ -5,6 +5,11 @@ process, READY once its engine registered, DEAD when its process exited, it unre
 (an engine that was only late and heartbeats again is READY again). A DEAD rank can be taken over by a new
 engine that registers with the same rank (a replacement). Every change bumps the topology epoch.
 
+Elastic DP (scale): `data_parallel_size` is the target size. `scale_plan(k)` says which ranks a new target adds
+(ranks below k that nobody serves or starts) and removes (every rank at or above k, highest first). Ranks being
+removed are *retiring*: READY ones turn DRAINING (frontends send them nothing new), no hand-started engine is
+given or may take their number, and `remove_engine` finally drops them from the topology.
+
 Frontends are only a set of ids with a last-seen time: one that is silent for `frontend_timeout_s` or that
 unregisters is dropped, and the server broadcasts FrontendGone so that engines abort its requests.
 """
@@ -73,6 +78,7 @@ class Registry:
         self.model: ModelInfo | None = None
         self.epoch = 0
         self.load_version = 0  # grows whenever any engine's load changes
+        self.retiring: set[int] = set()  # ranks a scale-down is removing
 
     # -- engines ------------------------------------------------------------------------------------------------
 
@@ -94,6 +100,8 @@ class Registry:
             )
         rank = msg.rank if msg.rank >= 0 else self._free_rank()
         current = self.engines.get(rank)
+        if rank in self.retiring and (current is None or current.engine_id != msg.engine_id):
+            raise RegistrationRefused(f"rank {rank} is being removed by a scale-down; start the engine with --rank -1")
         if (
             current is not None
             and current.engine_id
@@ -103,7 +111,7 @@ class Registry:
             raise RegistrationRefused(f"rank {rank} is already served by engine {current.engine_id}")
         self.engines[rank] = EngineEntry(
             rank=rank,
-            state=EngineState.READY,
+            state=EngineState.DRAINING if rank in self.retiring else EngineState.READY,
             engine_id=msg.engine_id,
             input_addr=msg.input_addr,
             node_ip=msg.node_ip,
@@ -118,9 +126,9 @@ class Registry:
         return rank
 
     def _free_rank(self) -> int:
-        """The lowest rank that nobody serves or is starting."""
+        """The lowest rank that nobody serves or is starting, and that no scale-down is removing."""
         rank = 0
-        while rank in self.engines and self.engines[rank].state != EngineState.DEAD:
+        while rank in self.retiring or (rank in self.engines and self.engines[rank].state != EngineState.DEAD):
             rank += 1
         return rank
 
@@ -155,12 +163,49 @@ class Registry:
     def _seen_engine(self, entry: EngineEntry, now_s: float) -> None:
         entry.last_seen_s = now_s
         if entry.state == EngineState.DEAD and entry.dead_reason == "missed heartbeats":
-            entry.state = EngineState.READY  # only late, not gone
+            entry.state = EngineState.DRAINING if entry.rank in self.retiring else EngineState.READY  # only late
             entry.dead_reason = ""
             self.epoch += 1
 
     def ready_ranks(self) -> list[int]:
         return sorted(r for r, e in self.engines.items() if e.state == EngineState.READY)
+
+    def is_idle(self, rank: int) -> bool:
+        """The rank's last reported load has nothing waiting or running."""
+        entry = self.engines.get(rank)
+        return entry is not None and entry.load is not None and entry.load.num_waiting + entry.load.num_running == 0
+
+    # -- scaling ------------------------------------------------------------------------------------------------
+
+    def scale_plan(self, target: int) -> tuple[list[int], list[int]]:
+        """(ranks to start, ranks to remove) to reach ranks 0..target-1. Removal goes highest rank first.
+
+        A rank below `target` that is listed in any state (a hand-started engine, a DEAD rank) is left alone."""
+        add = [rank for rank in range(target) if rank not in self.engines]
+        remove = sorted((rank for rank in self.engines if rank >= target), reverse=True)
+        return add, remove
+
+    def set_target(self, data_parallel_size: int) -> None:
+        if data_parallel_size != self.data_parallel_size:
+            self.data_parallel_size = data_parallel_size
+            self.epoch += 1
+
+    def retire(self, ranks: list[int]) -> None:
+        """Start removing `ranks`: READY ones turn DRAINING (published with the next topology)."""
+        for rank in ranks:
+            self.retiring.add(rank)
+            entry = self.engines.get(rank)
+            if entry is not None and entry.state == EngineState.READY:
+                entry.state = EngineState.DRAINING
+        self.epoch += 1
+        self.load_version += 1
+
+    def remove_engine(self, rank: int) -> None:
+        """Drop a rank from the topology (its process is gone); its number is free again."""
+        self.engines.pop(rank, None)
+        self.retiring.discard(rank)
+        self.epoch += 1
+        self.load_version += 1
 
     # -- frontends ----------------------------------------------------------------------------------------------
 

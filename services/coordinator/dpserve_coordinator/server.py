@@ -8,6 +8,9 @@ Publishing (PUB): Topology on every change and every 2 s; LoadSnapshot at most e
 load changed and every 1 s otherwise (a heartbeat for frontends); FrontendGone when a frontend unregisters or is
 silent for 5 s; StartWave when a frontend or engine asks for one (waves.py: for dense models the wave is
 bookkeeping, it completes when every rank's load says it stopped stepping).
+
+Scaling (ScaleRequest on the control socket, from `dpserve scale`): scaling.py adds or removes ranks at runtime,
+one step at a time, once every rank of the start-up is ready.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from dpserve_shared.schema import (
     RegisterEngine,
     RegisterFrontend,
     ReleaseRequests,
-    ScaleAck,
     ScaleRequest,
     Shutdown,
     StartWave,
@@ -44,6 +46,7 @@ from dpserve_shared.schema import (
 
 from dpserve_coordinator.launcher import EngineLauncher, LaunchError, MpLauncher
 from dpserve_coordinator.registry import Registry, RegistrationRefused
+from dpserve_coordinator.scaling import Scaler
 from dpserve_coordinator.settings import CoordinatorSettings
 from dpserve_coordinator.waves import CoordinatorWaves
 
@@ -91,7 +94,10 @@ class Coordinator:
         self._published_load_version = -1
         self._restarts: dict[int, int] = {}
         self._tasks: list[asyncio.Task] = []
+        self._supervisors: dict[int, asyncio.Task] = {}
         self._rank_changed = asyncio.Event()
+        self._is_serving = False
+        self.scaler = Scaler(self)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -163,8 +169,51 @@ class Coordinator:
             self.registry.engine_starting(rank)
         for rank in ranks:
             await self.launcher.start(rank)
-            self._tasks.append(asyncio.create_task(self._supervise(rank), name=f"supervise-{rank}"))
+            self.supervise(rank)
         await self._wait_registered(list(ranks), started)
+        self._is_serving = True
+
+    @property
+    def is_serving(self) -> bool:
+        """Every rank of the start-up registered (scaling is possible from then on)."""
+        return self._is_serving
+
+    @property
+    def is_stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def reply(self, identity: str, msg) -> None:
+        """Send one message to one DEALER on the control socket (dropped by ZMQ if it is gone)."""
+        await self.control.send_multipart([identity.encode(), encode(msg)])
+
+    def supervise(self, rank: int) -> None:
+        self._supervisors[rank] = asyncio.create_task(self._supervise(rank), name=f"supervise-{rank}")
+
+    async def forget_supervisor(self, rank: int) -> None:
+        """The rank is gone for good (scale-down): stop watching it, and a later rank with its number starts afresh."""
+        task = self._supervisors.pop(rank, None)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._restarts.pop(rank, None)
+
+    async def wait_rank_exit(self, rank: int, timeout_s: float) -> bool:
+        """Wait until the rank's engine process exited (its supervisor returns) or, for an engine this coordinator
+        did not start, until it unregistered; False on timeout."""
+        task = self._supervisors.get(rank)
+        try:
+            if task is not None:
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+                return True
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                entry = self.registry.engines.get(rank)
+                if entry is None or entry.state == EngineState.DEAD:
+                    return True
+                await asyncio.sleep(0.1)
+            return False
+        except asyncio.TimeoutError:
+            return False
 
     async def _wait_registered(self, ranks: list[int], started: float) -> None:
         deadline = started + self.settings.engine_startup_timeout_s
@@ -220,6 +269,9 @@ class Coordinator:
             reason = await self.launcher.wait_exit(rank)
             if self._stopping.is_set():
                 return
+            if rank in self.registry.retiring:  # removed by a scale-down: expected, and not to be restarted
+                log.info("rank %d: %s (removed by scale-down)", rank, reason)
+                return
             log.error("rank %d: %s", rank, reason)
             self.registry.mark_dead(rank, reason)
             self._rank_changed.set()
@@ -231,7 +283,7 @@ class Coordinator:
                 return  # failed during start-up: _wait_registered reports it
             log.info("rank %d: starting a replacement (restart %d)", rank, self._restarts[rank])
             await asyncio.sleep(1.0)
-            if self._stopping.is_set():
+            if self._stopping.is_set() or rank in self.registry.retiring:
                 return
             try:
                 await self.launcher.start(rank)
@@ -248,6 +300,7 @@ class Coordinator:
             return
         self._shut_down = True
         self._stopping.set()
+        await self.scaler.cancel()
         log.info("broadcasting Shutdown")
         try:
             await self.pub.send(encode(Shutdown(drain=True, reason="coordinator shutting down")))
@@ -255,9 +308,10 @@ class Coordinator:
             pass
         if self.launcher is not None:
             await self.launcher.close(_SHUTDOWN_DRAIN_S + 2.0)
-        for task in self._tasks:
+        tasks = self._tasks + list(self._supervisors.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.control.close(0)
         self.pub.close(0)
         self.ctx.term()
@@ -322,9 +376,7 @@ class Coordinator:
             if self.waves.on_wave_complete(msg.wave):
                 registry.load_version += 1
         elif isinstance(msg, ScaleRequest):
-            return ScaleAck(
-                accepted=False, error="scaling is not supported yet", data_parallel_size=registry.data_parallel_size
-            )
+            return self.scaler.request(sender, msg)
         return None
 
     def _follow_waves(self) -> None:

@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dpserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    p.add_argument("--quantization", default=None, choices=["int4"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"])
     p.add_argument("--device", default=None)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> float:
     )
     core = EngineCore(config)
     max_tokens = (args.rounds + 1) * args.steps + 8
-    print(f"model={config.model} device={core.runner.device} quantization={config.quantization} "
+    print(f"model={config.model} device={core.runner.device} quantization={config.resolved_quantization(core.runner.device.type)} "
           f"precision={core.runner.model.prec} "
           f"threads={torch.get_num_threads()} batch={args.batch}")
     start_requests(core, args.batch, args.prompt_len, max_tokens)

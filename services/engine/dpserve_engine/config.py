@@ -26,9 +26,22 @@ class EngineConfig:
     # LM head (~1.45x faster decode at batch 64, but measured to change 1-2 of 5 greedy answers and to make greedy
     # output depend on the batch; docs/benchmarks.md); "float32" everywhere.
     dtype: str = "auto"
-    # "int4": the GGUF's Q4_1 linear weights run as torch's CPU int4 kernel (groups repacked, not requantized;
-    # LM head fp32); None: dequantized weights in `dtype`.
-    quantization: str | None = None
+    # "int4": the GGUF's Q4_1 linear weights run as torch's CPU int4 kernel (groups repacked, not requantized)
+    # and the LM head on int8/bf16 copies with its best candidates rescored in fp32 (greedy = fp32 head).
+    # "auto" (default): int4 for a GGUF file on CPU, else none. None / "none": dequantized weights in `dtype`.
+    quantization: str | None = "auto"
+
+    def resolved_quantization(self, device_type: str) -> str | None:
+        """"auto" -> "int4" for a GGUF model on CPU, else None; other values as given ("none" -> None)."""
+        if self.quantization in (None, "none"):
+            return None
+        if self.quantization != "auto":
+            return self.quantization
+        if device_type != "cpu" or self.null_engine:
+            return None
+        from dpserve_engine.tokenizer import resolve_model_path
+
+        return "int4" if resolve_model_path(self.model).endswith(".gguf") else None
     null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
     null_step_time_s: float = 0.0
     cache_dir: str = dataclasses.field(

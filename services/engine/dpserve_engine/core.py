@@ -205,13 +205,15 @@ def load_model(config: EngineConfig, precision: Precision | None = None) -> Tran
     from dpserve_engine.loader import load_weights
 
     device = pick_device(config)
-    args, state = load_weights(config.model, config.cache_dir, config.quantization)
+    quantization = config.resolved_quantization(device.type)
+    if quantization and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} uses torch's CPU int4 kernel; device is {device}")
+    args, state = load_weights(config.model, config.cache_dir, quantization)
     prec = precision or Precision.for_device(device, config.dtype)
-    if config.quantization:
-        if device.type != "cpu":
-            raise ValueError(f"quantization={config.quantization!r} uses torch's CPU int4 kernel; device is {device}")
+    if quantization:
         prec = Precision(torch.bfloat16, prec.act, prec.kv, prec.head)  # bf16: only placeholders before repacking
-    logger.info(
-        "building model on %s: weights %s, activations %s", device, config.quantization or prec.weight, prec.act
-    )
-    return build_model(args, state, prec, device)
+    logger.info("building model on %s: weights %s, activations %s", device, quantization or prec.weight, prec.act)
+    model = build_model(args, state, prec, device)
+    if quantization:
+        model.quantize_head()  # int8/bf16 LM head, best candidates rescored in fp32
+    return model

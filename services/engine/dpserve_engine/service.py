@@ -13,7 +13,11 @@ The busy loop, one iteration:
      registering again when the coordinator's broadcast has been silent for 5 s (a restarted coordinator).
 
 Exit: the parent died (exit at once), SIGTERM or Shutdown(drain=True) (stop taking requests, let running ones
-finish for up to --drain-timeout-s, abort the rest), Shutdown(drain=False) (abort everything now).
+finish for up to --drain-timeout-s, or the Shutdown's own drain_timeout_s, abort the rest), Shutdown(drain=False)
+(abort everything now). A request that arrives once the engine stops taking requests gets no answer: the
+frontend re-sends it to another rank when this rank leaves the topology (it has no token yet), which is what
+keeps a scale-down that races with a frontend's last send free of failed requests. The ROUTER lingers briefly
+on close so that the last outputs leave.
 """
 
 from __future__ import annotations
@@ -50,11 +54,13 @@ from dpserve_shared.schema import (
     RequestOutput,
     Shutdown,
     StartWave,
+    Topology,
     Unregister,
 )
 
 from dpserve_engine.config import DEFAULT_MODEL, EngineConfig
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest
+from dpserve_engine.threads import ThreadBudget
 from dpserve_shared.waves import EngineWaves
 
 log = logging.getLogger("dpserve.engine")
@@ -75,6 +81,7 @@ class ServiceSettings:
     port: int = 0  # 0: a random free port
     register_timeout_s: float = 120.0
     drain_timeout_s: float = 5.0
+    adaptive_threads: bool = False  # threads.py: share the node's cores among the ranks that have work
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------------
@@ -101,15 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--null-engine", action="store_true", help="no model: tokens on a fixed step time")
     parser.add_argument("--null-step-time-ms", type=float, default=0.0)
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    parser.add_argument(
+        "--num-threads", type=int, default=None,
+        help="torch threads on CPU; default: the node's cores shared by the ranks on it that have requests",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda; default: cuda when available")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="auto: float32 on CPU (greedy-exact), bf16 with an fp32 LM head on CUDA",
     )
     parser.add_argument(
-        "--quantization", default=None, choices=["int4"],
-        help="int4: run the GGUF's 4-bit linear weights in torch's int4 CPU kernel",
+        "--quantization", default="auto", choices=["auto", "int4", "none"],
+        help="auto (default): int4 for a GGUF model on CPU, else none; int4: the GGUF's 4-bit linear weights in "
+        "torch's int4 CPU kernel and an int8/bf16 LM head rescored in fp32; none: dequantized weights in --dtype",
     )
     return parser
 
@@ -141,6 +152,7 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         port=args.port,
         register_timeout_s=args.register_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
+        adaptive_threads=args.num_threads is None and not args.null_engine and args.device in (None, "cpu"),
     )
 
 
@@ -195,6 +207,7 @@ class EngineService:
         self._last_counters: EngineLoad | None = None
         self._to_engine = engine_decoder()
         self._from_coordinator = from_coordinator_decoder()
+        self.threads = ThreadBudget(None, "", enabled=False)  # set up in bind(), once the node address is known
 
     # -- start-up -----------------------------------------------------------------------------------------------
 
@@ -211,6 +224,7 @@ class EngineService:
         else:
             port = self.router.bind_to_random_port(f"tcp://{bind_host}")
         self.input_addr = f"tcp://{_advertised_host(host, self.settings.coordinator_addr)}:{port}"
+        self.threads = ThreadBudget(None, self.node_ip, enabled=self.settings.adaptive_threads)
         log.info("engine socket bound at %s", self.input_addr)
 
     def register(self) -> None:
@@ -245,12 +259,18 @@ class EngineService:
             input_addr=self.input_addr,
             model=self.core.model_info,
             kv_blocks_total=self.core.kv_blocks_total,
-            node_ip=self.input_addr.split("://", 1)[1].rsplit(":", 1)[0],
+            node_ip=self.node_ip,
             pid=os.getpid(),
         )
 
+    @property
+    def node_ip(self) -> str:
+        return self.input_addr.split("://", 1)[1].rsplit(":", 1)[0]
+
     def _accept(self, ack: RegisterAck) -> None:
         self.rank = ack.rank
+        if ack.topology is not None:
+            self.threads.on_topology(ack.topology, ack.rank)
         self.waves.rank = ack.rank
         if ack.pub_addr != self._pub_addr:
             if self._pub_addr:
@@ -361,7 +381,8 @@ class EngineService:
         if not request.frontend_id:
             request.frontend_id = identity.decode(errors="replace")
         if self._drain_deadline is not None or self._exit_now:
-            self._pending[identity].append(_error(request_id, f"engine rank {self.rank} is shutting down"))
+            # Not an error: the frontend re-sends an unanswered request when this rank leaves the topology.
+            log.info("request %s arrived while shutting down: left for the frontend to re-send", request_id)
             return
         try:
             self.core.add_request(request)
@@ -400,13 +421,16 @@ class EngineService:
                 self._pending.pop(msg.frontend_id.encode(), None)
             elif isinstance(msg, StartWave):
                 self.waves.on_start_wave(msg)
+            elif isinstance(msg, Topology):
+                self.threads.on_topology(msg, self.rank)
             elif isinstance(msg, LoadSnapshot):
+                self.threads.on_loads(msg.loads)
                 if msg.wave > self.waves.wave:  # the coordinator declared our wave complete
                     self.waves.on_wave_complete(msg.wave - 1)
                     if self.core.has_unfinished():
                         self.waves.running = True
             elif isinstance(msg, Shutdown):
-                self.stop(drain=msg.drain, reason=msg.reason or "Shutdown from the coordinator")
+                self._on_shutdown(msg)
 
     def _drain_control(self) -> None:
         while True:
@@ -420,7 +444,7 @@ class EngineService:
                 log.warning("undecodable control message: %s", e)
                 continue
             if isinstance(msg, Shutdown):
-                self.stop(drain=msg.drain, reason=msg.reason or "Shutdown from the coordinator")
+                self._on_shutdown(msg)
             elif isinstance(msg, RegisterAck):
                 if msg.accepted:
                     self._accept(msg)
@@ -428,16 +452,21 @@ class EngineService:
                 else:
                     log.error("the coordinator refused this engine: %s", msg.error)
 
-    def stop(self, drain: bool, reason: str) -> None:
-        """Start draining, or stop at once (drain=False)."""
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        self.stop(drain=msg.drain, reason=msg.reason or "Shutdown from the coordinator",
+                  drain_timeout_s=msg.drain_timeout_s or None)
+
+    def stop(self, drain: bool, reason: str, drain_timeout_s: float | None = None) -> None:
+        """Start draining (for `drain_timeout_s`, default --drain-timeout-s), or stop at once (drain=False)."""
         if self._exit_now:
             return
         if not drain:
             log.info("%s: stopping now", reason)
             self._exit_now = True
         elif self._drain_deadline is None:
-            log.info("%s: draining for up to %.1f s", reason, self.settings.drain_timeout_s)
-            self._drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+            timeout_s = drain_timeout_s or self.settings.drain_timeout_s
+            log.info("%s: draining for up to %.1f s", reason, timeout_s)
+            self._drain_deadline = time.monotonic() + timeout_s
 
     def on_signal(self, signum: int, frame) -> None:
         """First SIGTERM/SIGINT drains, a second one stops at once."""
@@ -500,7 +529,8 @@ class EngineService:
             time.sleep(0.05)  # let the unregister leave before the socket closes
         except zmq.ZMQError:
             pass
-        for sock in (self.router, self.control, self.sub):
+        self.router.close(linger=1000)  # the last outputs (finished requests) must reach their frontends
+        for sock in (self.control, self.sub):
             sock.close(0)
         self.ctx.term()
 

@@ -6,8 +6,10 @@ that owns it. The pool follows the coordinator's `Topology`:
 
 - a READY rank that is new (or moved to a new address) is connected and becomes routable;
 - a DRAINING rank stays connected, so its requests finish, but gets no new ones;
-- a rank that disappears or is DEAD is dropped: its requests that have produced no token yet are re-sent to
-  another serving rank; the others end with an ERROR output (their text cannot be replayed).
+- a rank that disappears or is DEAD is dropped: outputs already queued on its socket are handed out first (a
+  rank removed by a scale-down finished its requests before it left), then its requests that have produced no
+  token yet are re-sent to another serving rank (an engine leaves requests that reach it while it shuts down
+  unanswered); the others end with an ERROR output (their text cannot be replayed).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class EnginePool:
         conn = self._engines.pop(rank)
         if conn.recv_task is not None:
             conn.recv_task.cancel()
+        self._take_queued(conn)
         conn.socket.close(linger=0)
         self.router.set_serving(self.serving_ranks)
         orphans = [(rid, entry) for rid, entry in self._in_flight.items() if entry.rank == rank]
@@ -170,6 +173,17 @@ class EnginePool:
             "dropped engine rank %d (%s): %d requests in flight, %d re-sent, %d failed",
             rank, reason, len(orphans), num_resent, len(orphans) - num_resent,
         )
+
+    def _take_queued(self, conn: _EngineConn) -> None:
+        """Outputs that arrived before the rank left (a drained rank's last tokens) still reach their requests."""
+        decode = frontend_decoder().decode
+        sync = zmq.Socket.shadow(conn.socket.underlying)
+        while True:
+            try:
+                data = sync.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:  # zmq.Again: nothing more queued
+                return
+            self._handle(conn, decode, data)
 
     # -- requests ---------------------------------------------------------------------------------------------
 

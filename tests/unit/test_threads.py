@@ -1,0 +1,56 @@
+"""ThreadBudget: the node's cores shared by the ranks on it that have work."""
+
+import pytest
+import torch
+from dpserve_shared.schema import EngineInfo, EngineLoad, EngineState, Topology
+
+from dpserve_engine.threads import ThreadBudget
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def topology(*engines: tuple[int, str, EngineState]) -> Topology:
+    return Topology(epoch=1, engines=[EngineInfo(r, f"e{r}", f"tcp://{ip}:1", state, ip) for r, ip, state in engines])
+
+
+def load(rank: int, running: int = 0, waiting: int = 0) -> EngineLoad:
+    return EngineLoad(rank=rank, num_running=running, num_waiting=waiting)
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_cores_split_among_busy_neighbours_on_the_same_node():
+    budget = ThreadBudget(None, "10.0.0.1", cores=4)
+    budget.on_topology(
+        topology(
+            (0, "10.0.0.1", EngineState.READY),
+            (1, "10.0.0.1", EngineState.READY),
+            (2, "10.0.0.1", EngineState.DRAINING),
+            (3, "10.0.0.2", EngineState.READY),  # another node: never counted
+            (4, "10.0.0.1", EngineState.DEAD),
+        ),
+        rank=0,
+    )
+    assert budget.neighbours == {1, 2}
+    assert budget.target([load(0, running=3), load(1), load(2), load(3, running=9)]) == 4  # alone with work
+    assert budget.target([load(0, running=3), load(1, waiting=1), load(2), load(3, running=9)]) == 2
+    assert budget.target([load(1, running=1), load(2, running=1), load(4, running=1)]) == 1  # 4 // 3
+
+
+def test_applies_only_when_enabled(restore_threads):
+    torch.set_num_threads(1)
+    fixed = ThreadBudget(1, "10.0.0.1", cores=2)  # --num-threads given: never changes
+    fixed.on_topology(topology((0, "10.0.0.1", EngineState.READY)), rank=0)
+    fixed.on_loads([load(0, running=1)])
+    assert torch.get_num_threads() == 1
+    adaptive = ThreadBudget(None, "10.0.0.1", cores=2)
+    adaptive.on_topology(topology((0, "10.0.0.1", EngineState.READY), (1, "10.0.0.1", EngineState.READY)), rank=0)
+    adaptive.on_loads([load(0, running=1), load(1)])
+    assert torch.get_num_threads() == 2 and adaptive.current == 2
+    adaptive.on_loads([load(0, running=1), load(1, running=1)])
+    assert torch.get_num_threads() == 1
