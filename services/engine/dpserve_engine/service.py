@@ -9,8 +9,10 @@ The busy loop, one iteration:
      FrontendGone (abort that frontend's requests), StartWave, Shutdown;
   3. step the core once if it has work;
   4. send one EngineOutputs per frontend that has outputs, each carrying the current load;
-  5. timers: Heartbeat every 1 s, EngineStats when the load changed (at most every 50 ms), parent-pid watch,
+  5. timers: EngineStats when the load changed (at most every 50 ms, and every 1 s), parent-pid watch,
      registering again when the coordinator's broadcast has been silent for 5 s (a restarted coordinator).
+Heartbeats (every 1 s) come from a thread with a socket of its own, so that a long step (a big prefill on a
+starved CPU can take longer than the coordinator's 10 s engine timeout) never makes a live rank look dead.
 
 Exit: the parent died (exit at once), SIGTERM or Shutdown(drain=True) (stop taking requests, let running ones
 finish for up to --drain-timeout-s, or the Shutdown's own drain_timeout_s, abort the rest), Shutdown(drain=False)
@@ -29,6 +31,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -207,6 +210,8 @@ class EngineService:
         self._last_counters: EngineLoad | None = None
         self._to_engine = engine_decoder()
         self._from_coordinator = from_coordinator_decoder()
+        self._heartbeats_stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
         self.threads = ThreadBudget(None, "", enabled=False)  # set up in bind(), once the node address is known
 
     # -- start-up -----------------------------------------------------------------------------------------------
@@ -282,6 +287,7 @@ class EngineService:
 
     def _check_coordinator(self, now: float) -> None:
         """A coordinator silent on its broadcast may have restarted: register again (same id and rank)."""
+        self._drain_sub()  # what arrived during a long step counts: silence is judged on a drained socket
         if now - self._last_broadcast_s < COORDINATOR_SILENCE_S or now - self._last_register_s < COORDINATOR_SILENCE_S:
             return
         log.warning(
@@ -300,6 +306,7 @@ class EngineService:
             poller.register(sock, zmq.POLLIN)
         now = time.monotonic()
         next_heartbeat = now
+        self._start_heartbeats()
         next_parent_check = now + PARENT_CHECK_INTERVAL_S
         while True:
             has_work = self.core.has_unfinished()
@@ -322,7 +329,6 @@ class EngineService:
             now = time.monotonic()
             self._maybe_send_stats(load, now)
             if now >= next_heartbeat:
-                self.control.send(encode(Heartbeat(self.engine_id, time.time())))
                 self._maybe_send_stats(load, now, force_counters=True)
                 next_heartbeat = now + HEARTBEAT_INTERVAL_S
             if now >= next_parent_check:
@@ -333,6 +339,25 @@ class EngineService:
                     self._exit_now = True
         self._abort_all("engine shutting down")
         self._flush(self._load())
+
+    def _start_heartbeats(self) -> None:
+        thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        thread.start()
+        self._heartbeat_thread = thread
+
+    def _heartbeat_loop(self) -> None:
+        """Heartbeat(engine id) every HEARTBEAT_INTERVAL_S on a DEALER of this thread's own."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"{self.engine_id}-heartbeat".encode())
+        sock.connect(self.settings.coordinator_addr)
+        try:
+            while not self._heartbeats_stop.wait(HEARTBEAT_INTERVAL_S):
+                sock.send(encode(Heartbeat(self.engine_id, time.time())), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the context is closing
+        finally:
+            sock.close(0)
 
     def _step(self) -> None:
         """One core step. A failing step fails the requests it had; repeated failures end the process, so that
@@ -524,6 +549,9 @@ class EngineService:
         return os.getppid() != self._parent_pid
 
     def close(self) -> None:
+        self._heartbeats_stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=2 * HEARTBEAT_INTERVAL_S)
         try:
             self.control.send(encode(Unregister(self.engine_id, "exiting")), zmq.NOBLOCK)
             time.sleep(0.05)  # let the unregister leave before the socket closes
