@@ -319,3 +319,25 @@ def test_ray_scale_up_and_down_releases_the_actor_and_placement_group(ray_cluste
     assert not problems, problems
     actors, groups = _dpserve_state(address, env)
     assert not actors and all(set(states) == {"REMOVED"} for states in groups.values()), (actors, groups)
+
+
+@pytest.mark.ray
+def test_local_ray_instance_has_room_to_scale_up(serve_factory):
+    """Without --ray-address the local Ray instance is started with room for 8 ranks: 1 -> 3 -> 1 works."""
+    server = serve_factory(
+        backend="ray", data_parallel_size=1, api_server_count=1, null_engine=True,
+        extra_args=("--null-step-time-ms", STEP_MS),
+    )
+    try:
+        with StreamLoad(server.url, num_threads=2) as load:
+            _wait_for(lambda: load.num_ok >= 2, 60, "the load to get going")
+            up = _scale(server.rpc_port, 3)
+            assert up.returncode == 0, up.stdout + up.stderr + server.log()[-4000:]
+            _wait_for(lambda: _serving_ranks(server.url) == [0, 1, 2], 10, "ranks 1 and 2 to serve")
+            assert _stream(server.url, 8, {"X-data-parallel-rank": "2"}) == 8
+            down = _scale(server.rpc_port, 1)
+            assert down.returncode == 0, down.stdout + down.stderr + server.log()[-4000:]
+            _wait_for(lambda: _serving_ranks(server.url) == [0], 10, "ranks 1 and 2 to leave")
+        assert load.failures == [], load.failures[:5]
+    finally:
+        serve_factory.close()  # scaled: no other test may reuse it

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 RAY_NAMESPACE = "dpserve"
 _PLACEMENT_TIMEOUT_S = 30.0
+LOCAL_RAY_MAX_RANKS = 8  # ranks a local Ray instance has room for (more if started with more)
 
 
 def actor_name(rank: int) -> str:
@@ -140,7 +141,9 @@ class RayLauncher(EngineLauncher):
             self._temp_dir = self._settings.ray_temp_dir or tempfile.mkdtemp(prefix="dpray-", dir="/tmp")
             os.makedirs(self._temp_dir, exist_ok=True)
             ray.init(
-                num_cpus=2 * self._settings.data_parallel_size_local + 1,
+                # Logical CPUs (2 per rank) for growth: `dpserve scale` may add ranks up to
+                # LOCAL_RAY_MAX_RANKS. Ray prestarts workers by real cores, so the headroom costs nothing.
+                num_cpus=2 * max(self._settings.data_parallel_size_local, LOCAL_RAY_MAX_RANKS) + 1,
                 include_dashboard=False,
                 _temp_dir=self._temp_dir,
                 object_store_memory=100 * 1024 * 1024,
