@@ -167,6 +167,17 @@ def start_serve(
         time.sleep(0.5)
 
 
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `predicate` every 0.2 s until it returns something truthy (returned); fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
 def _health_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as response:

@@ -23,7 +23,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import ServeProcess, _alive, descendants, engine_metrics, free_port, stop_serve
+from tests.conftest import ServeProcess, _alive, descendants, engine_metrics, free_port, stop_serve, wait_for
 from tests.integration.test_coordinator_ray import _cluster_state, ray_cluster  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -45,16 +45,6 @@ def _get_json(url: str) -> dict:
 
 def _serving_ranks(base_url: str) -> list[int]:
     return _get_json(base_url + "/health").get("serving_ranks", [])
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _stream(base_url: str, max_tokens: int, headers: dict | None = None, on_first=None) -> int:
@@ -159,14 +149,14 @@ def _print_log_on_failure(request, server_log_on_failure):
 
 def test_scale_up_and_down_under_load_fails_no_request(server):
     with StreamLoad(server.url, num_threads=6) as load:
-        _wait_for(lambda: load.num_ok >= 6, 60, "the load to get going")
+        wait_for(lambda: load.num_ok >= 6, 60, "the load to get going")
 
         up = _scale(server.rpc_port, 3)
         assert up.returncode == 0, up.stdout + up.stderr
         assert "done in" in up.stdout and "starting [2]" in up.stdout, up.stdout
-        _wait_for(lambda: all(_serving_ranks(server.url) == [0, 1, 2] for _ in range(4)), 10,
+        wait_for(lambda: all(_serving_ranks(server.url) == [0, 1, 2] for _ in range(4)), 10,
                   "every frontend to serve ranks 0, 1, 2")
-        _wait_for(lambda: engine_metrics(server.url).get("vllm:request_success_total", {}).get(2, 0) >= 2, 30,
+        wait_for(lambda: engine_metrics(server.url).get("vllm:request_success_total", {}).get(2, 0) >= 2, 30,
                   "the new rank 2 to serve unpinned requests")
         pids = _engine_pids(server)
         assert sorted(pids) == [0, 1, 2], pids
@@ -193,10 +183,10 @@ def test_scale_up_and_down_under_load_fails_no_request(server):
         thread.join(60)
         assert long_result.get("events") == 350, long_result
         assert time.monotonic() - started > 3, "the scale-down did not wait for the pinned stream"
-        _wait_for(lambda: all(_serving_ranks(server.url) == [0] for _ in range(4)), 10, "ranks 1 and 2 to leave")
-        _wait_for(lambda: not any(_alive(pids[r]) for r in (1, 2)), 10, "the removed engines to exit")
+        wait_for(lambda: all(_serving_ranks(server.url) == [0] for _ in range(4)), 10, "ranks 1 and 2 to leave")
+        wait_for(lambda: not any(_alive(pids[r]) for r in (1, 2)), 10, "the removed engines to exit")
         assert sorted(_engine_pids(server)) == [0]
-        _wait_for(lambda: load.num_ok >= 10, 30, "more load after the scale-down")
+        wait_for(lambda: load.num_ok >= 10, 30, "more load after the scale-down")
     assert load.failures == [], load.failures[:5]
     log = server.log()
     assert "scale 2 -> 3: starting ranks [2], removing ranks []" in log
@@ -214,7 +204,7 @@ def test_refusals_and_a_removed_rank_number_serves_again(server):
     with StreamLoad(server.url, num_threads=3) as load:
         again = _scale(server.rpc_port, 2)  # rank 1 was removed by the previous test
         assert again.returncode == 0, again.stdout
-        _wait_for(lambda: all(_serving_ranks(server.url) == [0, 1] for _ in range(4)), 10, "rank 1 to serve again")
+        wait_for(lambda: all(_serving_ranks(server.url) == [0, 1] for _ in range(4)), 10, "rank 1 to serve again")
         assert _stream(server.url, 8, {"X-data-parallel-rank": "1"}) == 8
 
         # A scale-down that waits for a long stream pinned to rank 1 is in progress: a second scale is refused.
@@ -236,7 +226,7 @@ def test_refusals_and_a_removed_rank_number_serves_again(server):
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:
-            _wait_for(lambda: "scale 2 -> 1" in server.log(), 30, "the scale-down to start")
+            wait_for(lambda: "scale 2 -> 1" in server.log(), 30, "the scale-down to start")
             second = _scale(server.rpc_port, 3)
             assert second.returncode == 1 and "a scale to 1 is in progress" in second.stdout, second.stdout
             output = first.communicate(timeout=150)[0]
@@ -292,13 +282,13 @@ def test_ray_scale_up_and_down_releases_the_actor_and_placement_group(ray_cluste
     server = _start_serve_on_cluster(address, env, str(tmp_path / "serve-ray.log"))
     try:
         with StreamLoad(server.url, num_threads=2) as load:
-            _wait_for(lambda: load.num_ok >= 2, 60, "the load to get going")
+            wait_for(lambda: load.num_ok >= 2, 60, "the load to get going")
             up = _scale(server.rpc_port, 2)
             assert up.returncode == 0, up.stdout + server.log()[-4000:]
             actors, groups = _dpserve_state(address, env)
             assert actors == ["dpserve-engine-0", "dpserve-engine-1"]
             assert groups == {"dpserve-rank-0": ["CREATED"], "dpserve-rank-1": ["CREATED"]}
-            _wait_for(lambda: _serving_ranks(server.url) == [0, 1], 10, "rank 1 to serve")
+            wait_for(lambda: _serving_ranks(server.url) == [0, 1], 10, "rank 1 to serve")
             assert _stream(server.url, 8, {"X-data-parallel-rank": "1"}) == 8
 
             down = _scale(server.rpc_port, 1)
@@ -306,8 +296,8 @@ def test_ray_scale_up_and_down_releases_the_actor_and_placement_group(ray_cluste
             actors, groups = _dpserve_state(address, env)
             assert actors == ["dpserve-engine-0"]
             assert groups["dpserve-rank-0"] == ["CREATED"] and set(groups["dpserve-rank-1"]) == {"REMOVED"}, groups
-            _wait_for(lambda: _serving_ranks(server.url) == [0], 10, "rank 1 to leave")
-            _wait_for(lambda: load.num_ok >= 6, 30, "more load after the scale-down")
+            wait_for(lambda: _serving_ranks(server.url) == [0], 10, "rank 1 to leave")
+            wait_for(lambda: load.num_ok >= 6, 30, "more load after the scale-down")
         assert load.failures == [], load.failures[:5]
         log = server.log()
         assert "rank 1: placement on" in log and "placement group dpserve-rank-1 removed" in log
@@ -330,14 +320,14 @@ def test_local_ray_instance_has_room_to_scale_up(serve_factory):
     )
     try:
         with StreamLoad(server.url, num_threads=2) as load:
-            _wait_for(lambda: load.num_ok >= 2, 60, "the load to get going")
+            wait_for(lambda: load.num_ok >= 2, 60, "the load to get going")
             up = _scale(server.rpc_port, 3)
             assert up.returncode == 0, up.stdout + up.stderr + server.log()[-4000:]
-            _wait_for(lambda: _serving_ranks(server.url) == [0, 1, 2], 10, "ranks 1 and 2 to serve")
+            wait_for(lambda: _serving_ranks(server.url) == [0, 1, 2], 10, "ranks 1 and 2 to serve")
             assert _stream(server.url, 8, {"X-data-parallel-rank": "2"}) == 8
             down = _scale(server.rpc_port, 1)
             assert down.returncode == 0, down.stdout + down.stderr + server.log()[-4000:]
-            _wait_for(lambda: _serving_ranks(server.url) == [0], 10, "ranks 1 and 2 to leave")
+            wait_for(lambda: _serving_ranks(server.url) == [0], 10, "ranks 1 and 2 to leave")
         assert load.failures == [], load.failures[:5]
     finally:
         serve_factory.close()  # scaled: no other test may reuse it

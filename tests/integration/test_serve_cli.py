@@ -59,12 +59,11 @@ def test_second_signal_stops_at_once(tmp_path):
                                        log_dir=str(tmp_path))
     try:
         server.record_descendants()
-        started = time.monotonic()
         os.killpg(server.proc.pid, signal.SIGTERM)
         time.sleep(0.05)
         os.killpg(server.proc.pid, signal.SIGTERM)
         server.proc.wait(15)
-        assert time.monotonic() - started < 10
+        assert "second signal: stopping at once" in server.log(), server.log()[-3000:]
     finally:
         problems = stop_serve(server)
     assert not problems, problems

@@ -15,7 +15,7 @@ from dpserve_coordinator.placement import NodeResources, PlacementError, plan_ad
 from dpserve_coordinator.registry import Registry, RegistrationRefused
 from dpserve_coordinator.server import Coordinator
 from dpserve_coordinator.settings import CoordinatorSettings
-from dpserve_shared.codec import encode, from_coordinator_decoder
+from dpserve_shared.codec import encode
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     EngineLoad,
@@ -29,6 +29,7 @@ from dpserve_shared.schema import (
     Shutdown,
 )
 from tests.conftest import free_port
+from tests.unit.test_coordinator_server import _dealer, _recv
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -154,23 +155,6 @@ class FakeLauncher(EngineLauncher):
 
     def kill_now(self) -> None:
         pass
-
-
-async def _recv(sock, kind, timeout_s: float = 5.0):
-    decoder = from_coordinator_decoder()
-    async with asyncio.timeout(timeout_s):
-        while True:
-            msg = decoder.decode(await sock.recv())
-            if isinstance(msg, kind):
-                return msg
-
-
-def _dealer(ctx, identity: str, addr: str):
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity.encode())
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
-    return sock
 
 
 def _ranks(ack: ScaleAck) -> dict[int, EngineState]:
