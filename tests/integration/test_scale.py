@@ -243,6 +243,36 @@ def test_refusals_and_a_removed_rank_number_serves_again(server):
     assert load.failures == [], load.failures[:5]
 
 
+def _post_json(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=200) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode() or "{}")
+
+
+def test_vllm_scale_elastic_ep_endpoint_on_the_frontend(server):
+    """vLLM's POST /scale_elastic_ep and /is_scaling_elastic_ep, through an API server, under load."""
+    before = _serving_ranks(server.url)
+    grown = len(before) + 1
+    status, body = _post_json(server.url + "/scale_elastic_ep", {"new_data_parallel_size": 0})
+    assert status == 400 and body["error"]["param"] == "new_data_parallel_size", body
+    status, body = _post_json(server.url + "/scale_elastic_ep", {"new_data_parallel_size": 2, "bogus": 1})
+    assert status == 400 and "bogus" in body["error"]["message"], body
+    with StreamLoad(server.url, num_threads=2) as load:
+        status, body = _post_json(server.url + "/scale_elastic_ep", {"new_data_parallel_size": grown})
+        assert status == 200 and body == {"message": f"Scaled to {grown} data parallel engines"}, body
+        wait_for(lambda: _serving_ranks(server.url) == list(range(grown)), 10, "the added rank to serve")
+        status, body = _post_json(server.url + "/is_scaling_elastic_ep", {})
+        assert status == 200 and body == {"is_scaling_elastic_ep": False}, body
+        status, body = _post_json(server.url + "/scale_elastic_ep",
+                                  {"new_data_parallel_size": len(before), "drain_timeout": 60})
+        assert status == 200, body
+        wait_for(lambda: _serving_ranks(server.url) == before, 10, "the added rank to leave")
+    assert load.failures == [], load.failures[:5]
+
+
 # -- ray backend ------------------------------------------------------------------------------------------------
 
 

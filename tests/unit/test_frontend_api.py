@@ -145,6 +145,12 @@ def test_wrong_content_type_415_and_api_key(model_info):
             assert status == 200
             status, _ = await _json(await client.get("/health"))  # not behind the key
             assert status == 503
+            for admin in ("/scale_elastic_ep", "/is_scaling_elastic_ep"):  # they change or reveal the deployment
+                status, body = await _json(await post(client, admin, {"new_data_parallel_size": 2}))
+                assert status == 401, (admin, body)
+            status, body = await _json(await client.post("/is_scaling_elastic_ep",
+                                                         headers={"Authorization": "Bearer sekret"}))
+            assert status == 200 and body == {"is_scaling_elastic_ep": False}
 
     run(scenario())
 

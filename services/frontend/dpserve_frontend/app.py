@@ -12,7 +12,7 @@ from aiohttp import web
 
 from dpserve_shared.schema import ModelInfo
 
-from dpserve_frontend import api_chat, api_completions, api_misc
+from dpserve_frontend import api_admin, api_chat, api_completions, api_misc
 from dpserve_frontend.coordinator_client import CoordinatorClient
 from dpserve_frontend.errors import Unauthorized, error_middleware
 from dpserve_frontend.settings import FrontendSettings
@@ -55,7 +55,8 @@ def _auth_middleware(api_key: str):
 
     @web.middleware
     async def check_api_key(request: web.Request, handler):
-        if request.path.startswith("/v1/") and request.method != "OPTIONS":
+        guarded = request.path.startswith("/v1/") or request.path in api_admin.ADMIN_PATHS
+        if guarded and request.method != "OPTIONS":
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 raise Unauthorized("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.")
@@ -144,4 +145,6 @@ def init_app(settings: FrontendSettings, model_info: ModelInfo | None = None) ->
     app.router.add_post("/detokenize", _bind(api_misc.detokenize))
     app.router.add_get("/version", _bind(api_misc.version))
     app.router.add_get("/metrics", _bind(api_misc.metrics))
+    app.router.add_post("/scale_elastic_ep", _bind(api_admin.scale_elastic_ep))
+    app.router.add_post("/is_scaling_elastic_ep", _bind(api_admin.is_scaling_elastic_ep))
     return app

@@ -82,6 +82,7 @@ class EnginePool:
         self._in_flight: dict[str, _InFlight] = {}
         self._topology_epoch = -1
         self.expected_size = 0  # the data-parallel size the topology asks for
+        self.topology: Topology | None = None  # the newest applied
         self._on_engine_load = on_engine_load
         self.on_start_wave = on_start_wave
         self._on_resend = on_resend
@@ -94,6 +95,7 @@ class EnginePool:
         if topology.epoch < self._topology_epoch:
             return  # an older broadcast overtaken by a newer ack (or the reverse)
         self._topology_epoch = topology.epoch
+        self.topology = topology
         self.expected_size = topology.data_parallel_size or len(topology.engines)
         listed = {info.rank: info for info in topology.engines}
         gone = []
