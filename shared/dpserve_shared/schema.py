@@ -243,6 +243,9 @@ class StartWaveRequest(_Msg, tag="start_wave_request"):
     rank: int  # the rank that already has the request (excluded from the broadcast unless stale)
 
 
+MAX_DATA_PARALLEL_SIZE = 1024  # the largest target a ScaleRequest may ask for
+
+
 class ScaleRequest(_Msg, tag="scale"):
     """Admin (`dpserve scale`) -> coordinator: make the deployment ranks 0..data_parallel_size-1.
 

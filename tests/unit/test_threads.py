@@ -25,7 +25,7 @@ def restore_threads():
 
 
 def test_cores_split_among_busy_neighbours_on_the_same_node():
-    budget = ThreadBudget(None, "10.0.0.1", cores=4)
+    budget = ThreadBudget(True, "10.0.0.1", cores=4)
     budget.on_topology(
         topology(
             (0, "10.0.0.1", EngineState.READY),
@@ -44,11 +44,11 @@ def test_cores_split_among_busy_neighbours_on_the_same_node():
 
 def test_applies_only_when_enabled(restore_threads):
     torch.set_num_threads(1)
-    fixed = ThreadBudget(1, "10.0.0.1", cores=2)  # --num-threads given: never changes
+    fixed = ThreadBudget(False, "10.0.0.1", cores=2)  # --num-threads given: never changes
     fixed.on_topology(topology((0, "10.0.0.1", EngineState.READY)), rank=0)
     fixed.on_loads([load(0, running=1)])
     assert torch.get_num_threads() == 1
-    adaptive = ThreadBudget(None, "10.0.0.1", cores=2)
+    adaptive = ThreadBudget(True, "10.0.0.1", cores=2)
     adaptive.on_topology(topology((0, "10.0.0.1", EngineState.READY), (1, "10.0.0.1", EngineState.READY)), rank=0)
     adaptive.on_loads([load(0, running=1), load(1)])
     assert torch.get_num_threads() == 2 and adaptive.current == 2

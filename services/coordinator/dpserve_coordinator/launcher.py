@@ -94,7 +94,7 @@ class MpLauncher(EngineLauncher):
         return f"pid {proc.pid}" if proc else ""
 
     async def stop(self, rank: int, timeout_s: float) -> None:
-        proc = self._procs.pop(rank, None)
+        proc = self._procs.get(rank)  # kept listed until gone: kill_now (a second signal) must still see it
         if proc is None:
             return
         if proc.poll() is None:
@@ -107,16 +107,11 @@ class MpLauncher(EngineLauncher):
                             timeout_s)
                 proc.kill()
         await asyncio.to_thread(proc.wait)
+        self._procs.pop(rank, None)
         log.info("rank %d: engine process %d stopped (exit code %s)", rank, proc.pid, proc.returncode)
 
     async def close(self, timeout_s: float) -> None:
-        alive = [p for p in self._procs.values() if p.poll() is None]
-        for proc in alive:
-            proc.send_signal(signal.SIGTERM)
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while any(p.poll() is None for p in alive) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        self.kill_now()
+        await asyncio.gather(*(self.stop(rank, timeout_s) for rank in list(self._procs)))
 
     def kill_now(self) -> None:
         for proc in self._procs.values():

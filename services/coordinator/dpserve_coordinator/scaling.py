@@ -30,7 +30,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dpserve_shared.codec import encode
-from dpserve_shared.schema import EngineState, ScaleAck, ScaleRequest, Shutdown
+from dpserve_shared.schema import MAX_DATA_PARALLEL_SIZE, EngineState, ScaleAck, ScaleRequest, Shutdown
 
 from dpserve_coordinator.launcher import LaunchError
 
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpserve.coordinator")
 
-MAX_DATA_PARALLEL_SIZE = 1024
 SCALE_DRAIN_TIMEOUT_S = 120.0  # vLLM's scale_elastic_ep drain_timeout default
 DRAIN_SETTLE_S = 0.5  # a draining rank must look idle this long (its stats lag by up to ~0.15 s)
 MIN_FINAL_DRAIN_S = 5.0

@@ -319,16 +319,19 @@ class Transformer(nn.Module):
     def compute_logits(self, h: Tensor) -> Tensor:
         """h: [N, dim] -> fp32 logits [N, vocab]."""
         if self.fast_head is not None:
-            weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-            return self.fast_head(h, weight.float())
+            return self.fast_head(h, self.head_weight.float())
         if self.output is None:
             return F.linear(h.to(self.prec.head), self.tok_embeddings.weight).float()
         return self.output(h.to(self.prec.head)).float()
 
+    @property
+    def head_weight(self) -> Tensor:
+        """[vocab, dim]: the tied embedding or the separate output layer's weight."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
     def quantize_head(self) -> None:
         """Run the LM head on int8/bf16 copies with an fp32 rescore of each row's best candidates (CPU)."""
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        self.fast_head = FastHead(weight.detach().float())
+        self.fast_head = FastHead(self.head_weight.detach().float())
 
     def load_weights(self, state: dict[str, Tensor]) -> None:
         """Load a loader.py state dict (HF names, HF rotate_half q/k layout), fusing qkv and gate/up."""

@@ -69,6 +69,7 @@ from dpserve_shared.waves import EngineWaves
 log = logging.getLogger("dpserve.engine")
 
 HEARTBEAT_INTERVAL_S = 1.0
+COUNTERS_INTERVAL_S = 1.0  # EngineStats with the cumulative counters at least this often
 STATS_MIN_INTERVAL_S = 0.05
 PARENT_CHECK_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
@@ -212,7 +213,7 @@ class EngineService:
         self._from_coordinator = from_coordinator_decoder()
         self._heartbeats_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
-        self.threads = ThreadBudget(None, "", enabled=False)  # set up in bind(), once the node address is known
+        self.threads = ThreadBudget(settings.adaptive_threads)  # its node_ip is set in bind()
 
     # -- start-up -----------------------------------------------------------------------------------------------
 
@@ -229,7 +230,7 @@ class EngineService:
         else:
             port = self.router.bind_to_random_port(f"tcp://{bind_host}")
         self.input_addr = f"tcp://{_advertised_host(host, self.settings.coordinator_addr)}:{port}"
-        self.threads = ThreadBudget(None, self.node_ip, enabled=self.settings.adaptive_threads)
+        self.threads.node_ip = self.node_ip
         log.info("engine socket bound at %s", self.input_addr)
 
     def register(self) -> None:
@@ -305,7 +306,7 @@ class EngineService:
         for sock in (self.router, self.sub, self.control):
             poller.register(sock, zmq.POLLIN)
         now = time.monotonic()
-        next_heartbeat = now
+        next_counters = now
         self._start_heartbeats()
         next_parent_check = now + PARENT_CHECK_INTERVAL_S
         while True:
@@ -314,7 +315,7 @@ class EngineService:
                 break
             if self._drain_deadline is not None and (not has_work or time.monotonic() > self._drain_deadline):
                 break
-            timeout_ms = 0 if has_work else max(0, min(IDLE_POLL_MS, int((next_heartbeat - time.monotonic()) * 1000)))
+            timeout_ms = 0 if has_work else max(0, min(IDLE_POLL_MS, int((next_counters - time.monotonic()) * 1000)))
             for sock, _ in poller.poll(timeout_ms):
                 if sock is self.router:
                     self._drain_router()
@@ -328,9 +329,9 @@ class EngineService:
             self._flush(load)
             now = time.monotonic()
             self._maybe_send_stats(load, now)
-            if now >= next_heartbeat:
+            if now >= next_counters:
                 self._maybe_send_stats(load, now, force_counters=True)
-                next_heartbeat = now + HEARTBEAT_INTERVAL_S
+                next_counters = now + COUNTERS_INTERVAL_S
             if now >= next_parent_check:
                 next_parent_check = now + PARENT_CHECK_INTERVAL_S
                 self._check_coordinator(now)

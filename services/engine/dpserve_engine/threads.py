@@ -26,10 +26,9 @@ def node_cores() -> int:
 
 
 class ThreadBudget:
-    def __init__(self, fixed: int | None, node_ip: str, cores: int | None = None, enabled: bool = True):
-        self.fixed = fixed
-        self.enabled = enabled and not fixed
-        self.node_ip = node_ip
+    def __init__(self, enabled: bool, node_ip: str = "", cores: int | None = None):
+        self.enabled = enabled  # False: --num-threads fixed the count (or no CPU model): never change it
+        self.node_ip = node_ip  # this rank's node address, as the topology lists it
         self.cores = cores or node_cores()
         self.rank = -1
         self.neighbours: frozenset[int] = frozenset()  # other ranks serving on this node

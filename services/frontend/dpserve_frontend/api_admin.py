@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 from dpserve_shared.codec import encode, from_coordinator_decoder
-from dpserve_shared.schema import EngineState, ScaleAck, ScaleRequest
+from dpserve_shared.schema import MAX_DATA_PARALLEL_SIZE, EngineState, ScaleAck, ScaleRequest
 
 from dpserve_frontend.errors import APIError, BadRequest, ServiceUnavailable
 from dpserve_frontend.http_util import json_response, read_request
@@ -44,9 +44,11 @@ class ScaleFailed(APIError):
 
 async def scale_elastic_ep(request: web.Request, state: FrontendState) -> web.Response:
     req = await read_request(request, ScaleElasticEpRequest)
-    if req.new_data_parallel_size < 1:
-        raise BadRequest(f"new_data_parallel_size must be at least 1, got {req.new_data_parallel_size}",
-                         param="new_data_parallel_size")
+    if not 1 <= req.new_data_parallel_size <= MAX_DATA_PARALLEL_SIZE:
+        raise BadRequest(
+            f"new_data_parallel_size must be between 1 and {MAX_DATA_PARALLEL_SIZE}, got {req.new_data_parallel_size}",
+            param="new_data_parallel_size",
+        )
     if req.drain_timeout < 0:
         raise BadRequest(f"drain_timeout must not be negative, got {req.drain_timeout:g}", param="drain_timeout")
     if not state.settings.coordinator_addr:
@@ -67,8 +69,6 @@ async def _ask_coordinator(addr: str, req: ScaleElasticEpRequest) -> ScaleAck:
         await sock.send(encode(ScaleRequest(req.new_data_parallel_size, drain_timeout_s=req.drain_timeout)))
         ack = await _next_ack(sock, decoder, _ACK_TIMEOUT_S)
         if not ack.accepted:
-            if "must be between" in (ack.error or ""):
-                raise BadRequest(ack.error, param="new_data_parallel_size")
             raise ServiceUnavailable(f"the coordinator refused the scale: {ack.error}")
         if not ack.is_complete:
             ack = await _next_ack(sock, decoder, (req.drain_timeout or 120.0) + _STEP_MARGIN_S)

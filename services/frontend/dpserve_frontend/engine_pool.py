@@ -63,6 +63,7 @@ class _EngineConn:
     socket: zmq.asyncio.Socket
     state: EngineState
     recv_task: asyncio.Task | None = None
+    sync: zmq.Socket | None = None  # a synchronous shadow of `socket`: non-blocking receives without futures
 
 
 class EnginePool:
@@ -133,7 +134,7 @@ class EnginePool:
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.connect(input_addr)
-        conn = _EngineConn(rank, input_addr, socket, EngineState.READY)
+        conn = _EngineConn(rank, input_addr, socket, EngineState.READY, sync=zmq.Socket.shadow(socket.underlying))
         conn.recv_task = asyncio.get_running_loop().create_task(self._recv_loop(conn), name=f"engine-recv-{rank}")
         self._engines[rank] = conn
         log.info("connected to engine rank %d at %s", rank, input_addr)
@@ -142,7 +143,7 @@ class EnginePool:
         conn = self._engines.pop(rank)
         if conn.recv_task is not None:
             conn.recv_task.cancel()
-        self._take_queued(conn)
+        self._take_queued(conn, frontend_decoder().decode)  # a drained rank's last outputs still arrive
         conn.socket.close(linger=0)
         self.router.set_serving(self.serving_ranks)
         orphans = [(rid, entry) for rid, entry in self._in_flight.items() if entry.rank == rank]
@@ -176,16 +177,18 @@ class EnginePool:
             rank, reason, len(orphans), num_resent, len(orphans) - num_resent,
         )
 
-    def _take_queued(self, conn: _EngineConn) -> None:
-        """Outputs that arrived before the rank left (a drained rank's last tokens) still reach their requests."""
-        decode = frontend_decoder().decode
-        sync = zmq.Socket.shadow(conn.socket.underlying)
-        while True:
+    def _take_queued(self, conn: _EngineConn, decode, limit: int | None = None) -> bool:
+        """Handle the messages queued on the rank's socket now, at most `limit`; True if more may be waiting."""
+        recv_now, handle, again, noblock = conn.sync.recv, self._handle, zmq.Again, zmq.NOBLOCK
+        taken = 0
+        while limit is None or taken < limit:
             try:
-                data = sync.recv(zmq.NOBLOCK)
-            except zmq.ZMQError:  # zmq.Again: nothing more queued
-                return
-            self._handle(conn, decode, data)
+                data = recv_now(noblock)
+            except again:
+                return False
+            handle(conn, decode, data)
+            taken += 1
+        return True
 
     # -- requests ---------------------------------------------------------------------------------------------
 
@@ -228,21 +231,10 @@ class EnginePool:
         # (its per-receive bookkeeping costs more than decoding an EngineOutputs). Bounded so that a flood
         # cannot starve the HTTP handlers of the loop.
         decode = frontend_decoder().decode
-        handle = self._handle
-        sync = zmq.Socket.shadow(conn.socket.underlying)
         recv_async = conn.socket.recv
-        recv_now = sync.recv
-        again = zmq.Again
-        noblock = zmq.NOBLOCK
         while True:
-            handle(conn, decode, await recv_async())
-            for _ in range(_MAX_DRAIN):
-                try:
-                    data = recv_now(noblock)
-                except again:
-                    break
-                handle(conn, decode, data)
-            else:
+            self._handle(conn, decode, await recv_async())
+            if self._take_queued(conn, decode, _MAX_DRAIN):
                 await asyncio.sleep(0)  # still more: let the handlers run first
 
     def _handle(self, conn: _EngineConn, decode, data: bytes) -> None:
