@@ -71,9 +71,15 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--quantization", default=None, choices=["auto", "int4", "none"],
         help="auto (default): the GGUF's 4-bit weights in torch's int4 kernel on CPU; none: dequantized weights",
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true",
+        help="eager PyTorch in the engines; default: each compiles its decode step at start-up on CPU (about a "
+        "minute the first time, then cached under ~/.cache/dpserve)",
+    )
     parser.add_argument("--null-engine", action="store_true", help="no model: engines emit tokens on a fixed step time")
     parser.add_argument("--null-step-time-ms", type=float, default=None)
-    parser.add_argument("--engine-startup-timeout-s", type=float, default=300.0)
+    parser.add_argument("--engine-startup-timeout-s", type=float, default=600.0,
+        help="how long ranks may take to load, compile and register (a first start compiles for minutes)")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -144,6 +150,8 @@ def coordinator_command(args: argparse.Namespace, ready_file: str) -> list[str]:
             cmd += [flag, str(value)]
     if args.null_engine:
         cmd.append("--null-engine")
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
     if args.enable_prefix_caching is not None:
         cmd.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
     return cmd

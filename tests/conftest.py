@@ -30,6 +30,10 @@ import urllib.request
 
 import pytest
 
+# Engines run eager PyTorch unless a test asks otherwise: compiling the decode step costs ~2 min per engine on a
+# cold cache (tests/e2e/test_engine_real.py covers the compiled path). Subprocesses inherit it.
+os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
+
 VENV_BIN = os.path.dirname(sys.executable)
 DPSERVE = os.path.join(VENV_BIN, "dpserve")
 STARTUP_TIMEOUT_S = 240.0

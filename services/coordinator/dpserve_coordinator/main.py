@@ -27,6 +27,7 @@ ENGINE_FLAGS: list[tuple[str, type | None]] = [
     ("--dtype", str),
     ("--quantization", str),
     ("--null-engine", None),
+    ("--enforce-eager", None),
 ]
 
 
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="with --ray-address: how long to wait for nodes to join while the ranks do not fit (default: 0, fail)",
     )
-    parser.add_argument("--engine-startup-timeout-s", type=float, default=300.0)
+    parser.add_argument("--engine-startup-timeout-s", type=float, default=600.0,
+        help="how long ranks may take to load, compile and register (a first start compiles for minutes)")
     parser.add_argument("--max-engine-restarts", type=int, default=3)
     parser.add_argument("--ready-file", default=None, help="written once every rank is ready (used by dpserve serve)")
     add_engine_flags(parser)

@@ -15,7 +15,7 @@ class CoordinatorSettings:
     ray_address: str | None = None  # None: start a local Ray instance
     ray_temp_dir: str | None = None  # local Ray instance only; None: a fresh directory under /tmp
     ray_wait_for_nodes_s: float = 0.0  # --ray-address: retry an impossible placement this long (nodes joining)
-    engine_startup_timeout_s: float = 300.0
+    engine_startup_timeout_s: float = 600.0
     engine_timeout_s: float = 10.0  # an engine silent this long is DEAD
     frontend_timeout_s: float = 5.0  # a frontend silent this long is gone
     max_engine_restarts: int = 3  # per rank

@@ -2,7 +2,8 @@
 
 In one process, interleaved A B A B ...: (A) EngineCore.step() with `--batch` running requests (decode only,
 ignore_eos, sampling at temperature 1); (B) the bare batched forward of the same model on the same batch (the
-same paged-attention inputs, prepared outside the timer) plus the LM head and an argmax. The ratio of median
+same paged-attention inputs, prepared outside the timer; the compiled decode step unless --enforce-eager, as in
+the engine) plus the LM head and an argmax. The ratio of median
 step times B / A, per round and then the median over rounds, is `engine_efficiency` (1.0 = the engine adds
 nothing on top of the forward); printed last.
 """
@@ -32,6 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="steps per A or B round")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="eager PyTorch: no compiled decode step")
     return p.parse_args(argv)
 
 
@@ -62,11 +64,17 @@ def time_forward(core: EngineCore, steps: int) -> list[float]:
     seqs = list(core.scheduler.running)
     for seq in seqs:
         core.block_manager.may_append(seq, 1)  # the block the next engine step would allocate anyway
-    tokens, positions, meta = runner.prepare(ScheduledBatch(seqs, [1] * len(seqs), len(seqs)))
+    batch = ScheduledBatch(seqs, [1] * len(seqs), len(seqs))
+    if runner.compiled is not None:  # the engine's own forward: the compiled decode step
+        inputs = runner.prepare_decode_only(seqs, runner.compiled.min_rows, runner.compiled.min_blocks)
+        forward = lambda: runner.compiled(inputs)  # noqa: E731
+    else:
+        tokens, positions, meta = runner.prepare(batch)
+        forward = lambda: runner.model(tokens, positions, meta, runner.kv_caches)  # noqa: E731
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        hidden = runner.model(tokens, positions, meta, runner.kv_caches)
+        hidden = forward()[: len(seqs)]
         runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
         times.append(time.perf_counter() - started)
     return times
@@ -76,13 +84,13 @@ def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     config = EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, num_threads=args.threads,
-        max_num_seqs=args.batch, enable_prefix_caching=False,
+        max_num_seqs=args.batch, enable_prefix_caching=False, enforce_eager=args.enforce_eager,
     )
     core = EngineCore(config)
     max_tokens = (args.rounds + 1) * args.steps + 8
     print(f"model={config.model} device={core.runner.device} quantization={config.resolved_quantization(core.runner.device.type)} "
           f"precision={core.runner.model.prec} "
-          f"threads={torch.get_num_threads()} batch={args.batch}")
+          f"threads={torch.get_num_threads()} batch={args.batch} compiled={core.runner.compiled is not None}")
     start_requests(core, args.batch, args.prompt_len, max_tokens)
     assert len(core.scheduler.running) == args.batch, "the batch does not fit: raise kv_cache_memory_gib"
     time_engine(core, 2), time_forward(core, 2)  # warm up both paths

@@ -31,6 +31,19 @@ class EngineConfig:
     # "auto" (default): int4 for a GGUF file on CPU, else none. None / "none": dequantized weights in `dtype`.
     quantization: str | None = "auto"
 
+    # False (default): compile the decode step at start-up on CPU (compiled.py); True: eager PyTorch only (vLLM's
+    # --enforce-eager). DPSERVE_ENFORCE_EAGER=1 makes True the default (the test suite sets it).
+    enforce_eager: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("DPSERVE_ENFORCE_EAGER", "") not in ("", "0")
+    )
+    null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
+    null_step_time_s: float = 0.0
+    cache_dir: str = dataclasses.field(
+        default_factory=lambda: os.environ.get(
+            "DPSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "dpserve")
+        )
+    )
+
     def resolved_quantization(self, device_type: str) -> str | None:
         """"auto" -> "int4" for a GGUF model on CPU, else None; other values as given ("none" -> None)."""
         if self.quantization in (None, "none"):
@@ -42,10 +55,3 @@ class EngineConfig:
         from dpserve_engine.tokenizer import resolve_model_path
 
         return "int4" if resolve_model_path(self.model).endswith(".gguf") else None
-    null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
-    null_step_time_s: float = 0.0
-    cache_dir: str = dataclasses.field(
-        default_factory=lambda: os.environ.get(
-            "DPSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "dpserve")
-        )
-    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 
@@ -38,6 +39,9 @@ class EngineCore(EngineCoreBase):
             )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if not config.enforce_eager:
+            # before anything touches inductor (loading the int4 weights does): it fixes its cache dir on first use
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(config.cache_dir, "inductor"))
         if model_info is None:
             from dpserve_engine.tokenizer import load_model_info
 
@@ -49,6 +53,8 @@ class EngineCore(EngineCoreBase):
         self.block_manager = BlockManager(self.kv_blocks_total, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_blocks_total, config.block_size, model_info.eos_token_ids)
+        if not config.enforce_eager and self.runner.device.type == "cpu":
+            self.runner.compile_decode()
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.num_arrivals = 0

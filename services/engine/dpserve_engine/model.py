@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from typing import NamedTuple
+
 from torch import Tensor, nn
 
 
@@ -80,6 +82,16 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
+class DecodeInputs(NamedTuple):
+    """A step of one-token decodes only, in tensors alone (the compiled decode's inputs; see compiled.py)."""
+
+    tokens: Tensor  # [D]
+    positions: Tensor  # [D]
+    slot_mapping: Tensor  # [D] cache slot of each new token's K/V
+    block_table: Tensor  # [D, nb] each sequence's cache blocks, padded with block 0 to the longest
+    block_size: int  # a constant to torch.compile
+
+
 class Linear(nn.Module):
     """x @ w.T with x in the activation dtype and w in the weight dtype (cast in, cast back out)."""
 
@@ -90,6 +102,8 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+    decode = forward  # every row a decode: the same path
 
 
 class RowSplit:
@@ -134,6 +148,10 @@ class Int4Linear(nn.Module):
         else:
             y = torch.cat([self._int4(xb[:n]), self._dense(xb[n:])])
         return y.to(x.dtype)
+
+    def decode(self, x: Tensor) -> Tensor:
+        """Every row a decode (the compiled decode step): the int4 kernel, no branch on RowSplit."""
+        return self._int4(x.to(torch.bfloat16)).to(x.dtype)
 
     def _dense(self, xb: Tensor) -> Tensor:
         return F.linear(torch.cat([xb, xb], dim=1), self.dense)
@@ -226,10 +244,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: tuple[Tensor, Tensor]) -> Tensor:
         T = x.shape[0]
-        qkv = self.wqkv(x)
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv_heads], dim=1)  # [T, H, hd], [T, Hkv, hd]
-        v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv_heads, self.head_dim)
+        q, k, v = self._qkv(self.wqkv(x), cos, sin)
         k_cache, v_cache = kv  # [Hkv, num_slots, hd]: kv-head major, so gathered K/V need no transpose
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
@@ -242,17 +257,47 @@ class Attention(nn.Module):
             out = torch.cat(parts)
         return self.wo(out.reshape(T, self.q_size))
 
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, inputs: DecodeInputs, kv: tuple[Tensor, Tensor]) -> Tensor:
+        """A decode-only step written for torch.compile: tensor inputs only, K/V written with index_put_ (which
+        inductor updates in place) and gathered by block table; the same math as forward()."""
+        D, nb, bs = x.shape[0], inputs.block_table.shape[1], inputs.block_size
+        q, k, v = self._qkv(self.wqkv.decode(x), cos, sin)
+        k_cache, v_cache = kv
+        heads = torch.arange(self.n_kv_heads, device=x.device).unsqueeze(1)
+        k_cache.index_put_((heads, inputs.slot_mapping.unsqueeze(0)), k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_put_((heads, inputs.slot_mapping.unsqueeze(0)), v.transpose(0, 1).to(v_cache.dtype))
+        hd = self.head_dim
+        k = k_cache.view(self.n_kv_heads, -1, bs, hd)[:, inputs.block_table].view(self.n_kv_heads, D, nb * bs, hd)
+        v = v_cache.view(self.n_kv_heads, -1, bs, hd)[:, inputs.block_table].view(self.n_kv_heads, D, nb * bs, hd)
+        is_pad = torch.arange(nb * bs, device=x.device) > inputs.positions.unsqueeze(1)  # [D, L]
+        bias = torch.zeros(is_pad.shape, device=x.device).masked_fill_(is_pad, float("-inf"))
+        out = self._attend(q, k, v, bias.view(1, D, 1, -1))
+        return self.wo.decode(out.reshape(D, self.q_size))
+
+    def _qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The fused projection's output -> q [T, H, hd], k [T, Hkv, hd] (both rotated), v [T, Hkv, hd]."""
+        T = qkv.shape[0]
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv_heads, self.head_dim)
+        return q, k, v
+
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
         """Batched one-token attention: gather each sequence's cache blocks (whole blocks: a few contiguous KiB
         each, not one row per token), mask the padding, matmul grouped by kv head."""
-        D, G, hd, dtype = q.shape[0], self.n_heads // self.n_kv_heads, self.head_dim, q.dtype
+        D, hd = q.shape[0], self.head_dim
         rows = meta.decode_block_index  # index_select of 2-D rows: ~4x faster than advanced indexing here
         block_rows = meta.block_size * hd
         k = k_cache.view(-1, block_rows).index_select(0, rows).view(self.n_kv_heads, D, -1, hd)  # [Hkv, D, L, hd]
         v = v_cache.view(-1, block_rows).index_select(0, rows).view(self.n_kv_heads, D, -1, hd)
+        return self._attend(q, k, v, meta.decode_bias)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """q [D, H, hd]; k, v [Hkv, D, L, hd]; bias [1, D, 1, L] (0 or -inf) -> [D, H, hd]."""
+        D, G, hd, dtype = q.shape[0], self.n_heads // self.n_kv_heads, self.head_dim, q.dtype
         q = (q * self.scale).view(D, self.n_kv_heads, G, hd).transpose(0, 1).to(k.dtype)  # [Hkv, D, G, hd]
         scores = torch.matmul(q, k.transpose(-1, -2))  # [Hkv, D, G, L]
-        probs = (scores.float() + meta.decode_bias).softmax(dim=-1).to(v.dtype)
+        probs = (scores.float() + bias).softmax(dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [Hkv, D, G, hd]
         return out.transpose(0, 1).reshape(D, self.n_heads, hd).to(dtype)
 
@@ -275,6 +320,10 @@ class FeedForward(nn.Module):
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
         return self.w2(F.silu(gate) * up)
 
+    def decode(self, x: Tensor) -> Tensor:
+        gate, up = self.w13.decode(x).split(self.ffn_dim, dim=-1)
+        return self.w2.decode(F.silu(gate) * up)
+
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, prec: Precision):
@@ -287,6 +336,10 @@ class TransformerBlock(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: tuple[Tensor, Tensor]) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, meta, kv)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, inputs: DecodeInputs, kv: tuple[Tensor, Tensor]) -> Tensor:
+        h = x + self.attention.decode(self.attention_norm(x), cos, sin, inputs, kv)
+        return h + self.feed_forward.decode(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -314,6 +367,15 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # [T, 1, hd]
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv)
+        return self.norm(x)
+
+    def decode(self, inputs: DecodeInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """A step of one-token decodes -> final hidden states [D, dim]; what compiled.py compiles."""
+        x = self.tok_embeddings(inputs.tokens).to(self.prec.act)
+        cos = self.rope_cos[inputs.positions].unsqueeze(1)
+        sin = self.rope_sin[inputs.positions].unsqueeze(1)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer.decode(x, cos, sin, inputs, kv)
         return self.norm(x)
 
     def compute_logits(self, h: Tensor) -> Tensor:

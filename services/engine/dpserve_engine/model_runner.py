@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from dpserve_shared.schema import TokenLogprob
 from torch import Tensor
 
-from dpserve_engine.model import AttentionMetadata, PrefillChunk, Transformer
+from dpserve_engine.model import AttentionMetadata, DecodeInputs, PrefillChunk, Transformer
 from dpserve_engine.sampler import SamplerOutput, SamplingTensors, sample
 from dpserve_engine.scheduler import ScheduledBatch
 from dpserve_engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from dpserve_engine.compiled import CompiledDecode
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +38,28 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, eos_token_ids: list[int]):
         self.model = model
+        self.compiled: CompiledDecode | None = None  # set by compile_decode()
         self.device = model.rope_cos.device
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks + 1  # in the cache: the scheduler's blocks, then one scratch block
+        self.scratch_block = num_blocks  # never allocated: padding rows of the compiled decode write here
         self.eos_token_ids = list(eos_token_ids)
         args, kv_dtype = model.args, model.prec.kv
         # Per layer K and V: [Hkv, num_blocks * block_size, hd], indexed by flat slot (block * block_size + offset)
-        shape = (args.n_kv_heads, num_blocks * block_size, args.head_dim)
+        shape = (args.n_kv_heads, self.num_blocks * block_size, args.head_dim)
         zeros = lambda: torch.zeros(shape, dtype=kv_dtype, device=self.device)  # noqa: E731
         self.kv_caches = [(zeros(), zeros()) for _ in range(args.n_layers)]
         self.block_offsets = torch.arange(block_size, device=self.device)
         logger.info("KV cache: %d blocks x %d tokens, %s", num_blocks, block_size, kv_dtype)
+
+    @torch.inference_mode()  # the inputs too: the guards compare their dispatch keys with run()'s
+    def compile_decode(self) -> None:
+        """Compile the decode step (compiled.py) now, so that no request waits for a compile later."""
+        from dpserve_engine.compiled import CompiledDecode
+
+        compiled = CompiledDecode(self.model, self.kv_caches)
+        compiled.warm_up(self.prepare_decode_only([], compiled.min_rows, compiled.min_blocks))  # scratch rows only
+        self.compiled = compiled
 
     @staticmethod
     def kv_bytes_per_block(model_args, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -71,20 +86,46 @@ class ModelRunner:
 
     def _prepare_decodes(self, decodes: list[Sequence]):
         """One token per sequence; block tables padded to the longest, and the bias that masks the padding."""
-        bs, dev = self.block_size, self.device
+        tokens, positions, slots, tables = self._decode_lists(decodes)
+        if not decodes:
+            return tokens, positions, slots, None, None
+        dev, bs = self.device, self.block_size
+        tables_t = torch.tensor(tables, device=dev)
+        heads = torch.arange(self.model.args.n_kv_heads, device=dev).view(-1, 1, 1) * self.num_blocks
+        block_index = (heads + tables_t).view(-1)  # [Hkv * D * nb] rows of the [Hkv * num_blocks, bs * hd] view
+        context_lens = torch.tensor(positions, device=dev).unsqueeze(1) + 1  # [D, 1]
+        is_pad = torch.arange(len(tables[0]) * bs, device=dev) >= context_lens  # [D, L]
+        decode_bias = torch.zeros(is_pad.shape, device=dev).masked_fill_(is_pad, float("-inf"))
+        return tokens, positions, slots, block_index, decode_bias.view(1, len(decodes), 1, -1)
+
+    def _decode_lists(self, decodes: list[Sequence], min_blocks: int = 1):
+        """Per decode: its token, position, cache slot and block table (padded with block 0 to the longest)."""
+        bs = self.block_size
         tokens = [s.token_ids[s.num_computed_tokens] for s in decodes]
         positions = [s.num_computed_tokens for s in decodes]
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
-        if not decodes:
-            return tokens, positions, slots, None, None
-        max_blocks = max(len(s.block_table) for s in decodes)
-        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes], device=dev)
-        heads = torch.arange(self.model.args.n_kv_heads, device=dev).view(-1, 1, 1) * self.num_blocks
-        block_index = (heads + tables).view(-1)  # [Hkv * D * nb] rows of the [Hkv * num_blocks, bs * hd] view
-        context_lens = torch.tensor(positions, device=dev).unsqueeze(1) + 1  # [D, 1]
-        is_pad = torch.arange(max_blocks * bs, device=dev) >= context_lens  # [D, L]
-        decode_bias = torch.zeros(is_pad.shape, device=dev).masked_fill_(is_pad, float("-inf"))
-        return tokens, positions, slots, block_index, decode_bias.view(1, len(decodes), 1, -1)
+        width = max([min_blocks] + [len(s.block_table) for s in decodes])
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+        return tokens, positions, slots, tables
+
+    def prepare_decode_only(self, decodes: list[Sequence], min_rows: int, min_blocks: int) -> DecodeInputs:
+        """Decodes as DecodeInputs (the compiled path), padded to `min_rows` rows that write to the scratch block
+        and attend to position 0 of it."""
+        tokens, positions, slots, tables = self._decode_lists(decodes, min_blocks)
+        width = len(tables[0]) if tables else min_blocks
+        for _ in range(min_rows - len(decodes)):
+            tokens.append(0)
+            positions.append(0)
+            slots.append(self.scratch_block * self.block_size)
+            tables.append([self.scratch_block] * width)
+        dev = self.device
+        return DecodeInputs(
+            torch.tensor(tokens, device=dev),
+            torch.tensor(positions, device=dev),
+            torch.tensor(slots, device=dev),
+            torch.tensor(tables, device=dev),
+            self.block_size,
+        )
 
     def _prepare_prefills(self, batch: ScheduledBatch, first_row: int, tokens: list[int]):
         """Per chunk: its rows, the slots of its whole context (prefix + chunk) and its causal mask."""
@@ -132,8 +173,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
-        tokens, positions, meta = self.prepare(batch)
-        hidden = self.model(tokens, positions, meta, self.kv_caches)  # [T, dim]
+        hidden = self._compiled_forward(batch)
+        if hidden is None:
+            tokens, positions, meta = self.prepare(batch)
+            hidden = self.model(tokens, positions, meta, self.kv_caches)  # [T, dim]
         sample_rows, sample_seqs, prompt_rows = [], [], []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -151,6 +194,23 @@ class ModelRunner:
             [logprobs[by_seq[id(s)]] if id(s) in by_seq else None for s in batch.seqs],
             prompt_logprobs,
         )
+
+    def _compiled_forward(self, batch: ScheduledBatch) -> Tensor | None:
+        """Hidden states with every decode row from the compiled decode step, and prefill rows (if any) from an
+        eager forward of their own: each kind of row always takes the same path, so a request's tokens do not
+        depend on what it is batched with. None without a compiled step or decodes (the eager forward then)."""
+        D = batch.num_decodes
+        if self.compiled is None or D == 0:
+            return None
+        compiled = self.compiled
+        hidden = compiled(self.prepare_decode_only(batch.seqs[:D], compiled.min_rows, compiled.min_blocks))
+        if hidden is None:
+            return None
+        if D == len(batch.seqs):
+            return hidden[:D]
+        prefills = ScheduledBatch(batch.seqs[D:], batch.num_tokens[D:], 0)
+        tokens, positions, meta = self.prepare(prefills)
+        return torch.cat([hidden[:D], self.model(tokens, positions, meta, self.kv_caches)])
 
     def _sample(
         self, hidden: Tensor, rows: list[int], seqs: list[Sequence]

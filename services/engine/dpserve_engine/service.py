@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): int4 for a GGUF model on CPU, else none; int4: the GGUF's 4-bit linear weights in "
         "torch's int4 CPU kernel and an int8/bf16 LM head rescored in fp32; none: dequantized weights in --dtype",
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", default=defaults.enforce_eager,
+        help="eager PyTorch only; default: compile the decode step at start-up on CPU (about a minute the first "
+        "time, cached under the cache dir after)",
+    )
     return parser
 
 
@@ -143,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         dtype=args.dtype,
         quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
         null_engine=args.null_engine,
         null_step_time_s=args.null_step_time_ms / 1000.0,
     )

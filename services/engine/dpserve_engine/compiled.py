@@ -1,0 +1,87 @@
+"""The decode step as one torch.compile (inductor) graph: `Transformer.decode` over the paged KV cache.
+
+Why: at batch 1 a decode step is ~1000 small ops, and eager PyTorch spends ~40% of the step dispatching them
+(docs/benchmarks.md). Compiled, the norms, RoPE, cache writes, gathers, masks and softmaxes become a few fused
+C++ loops between the int4/bf16 matmul calls: ~30-40% less time per step at batch 1 and 16 here.
+
+One graph for every step. Two sizes change from step to step: the number of decodes D and the block-table width
+nb. Both are dynamic dimensions of the one graph; inputs are padded to at least 2 rows and 2 blocks (padding rows
+write to and read from a scratch block of the KV cache), so neither is ever the 0 or 1 that torch specializes
+on. The same graph for batch 1 as for batch 64 keeps a request's tokens independent of its batch: every decode
+row of every step goes through it (model_runner.py runs prefill rows through the eager forward beside it). It is
+compiled by `warm_up()` at start-up, so no request waits; a call that would need another graph is refused
+(`fail_on_recompile`) and that step runs eagerly (`num_fallbacks`; none is expected).
+
+Guards: dynamo's guards on the model's ~400 parameters and submodules cost ~1.4 ms a call; they are skipped
+(`skip_guard_on_all_nn_modules_unsafe`): the weights and modules never change once loaded. The inputs' guards
+(shapes, dtypes) stay.
+
+Numerics: fused kernels sum in another order than eager PyTorch, so logits differ in the last bits and a
+near-tied greedy choice can differ from the eager path's (measured: as close to the fp32 reference as eager
+int4 is; docs/benchmarks.md).
+
+Cost: the first compile takes about a minute on 2 cores; inductor caches what it builds under
+`<cache_dir>/inductor` (core.py sets TORCHINDUCTOR_CACHE_DIR unless it is set) and later starts take seconds.
+`--enforce-eager` skips all of this. Only on CPU: the CUDA path has not been run here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import Tensor
+
+from dpserve_engine.model import DecodeInputs, Transformer
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledDecode:
+    # Inputs are padded to at least this many rows and blocks (see the module docstring)
+    min_rows = 2
+    min_blocks = 2
+
+    def __init__(self, model: Transformer, kv_caches: list[tuple[Tensor, Tensor]]):
+        import torch._inductor.config as inductor_config
+
+        # Kernels read the thread count at run time: the engine changes it with load (threads.py).
+        inductor_config.cpp.dynamic_threads = True
+        self.kv_caches = kv_caches
+        self._fn = torch.compile(
+            model.decode,
+            fullgraph=True,
+            dynamic=False,
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+        )
+        self.num_calls = 0
+        self.num_fallbacks = 0
+
+    def warm_up(self, inputs: DecodeInputs) -> None:
+        """Compile, on inputs of min_rows x min_blocks (padding rows only: they touch only the scratch block)."""
+        started = time.monotonic()
+        logger.info("compiling the decode step (about a minute on a first start; cached after)")
+        self._call(inputs)
+        logger.info("decode step compiled in %.1f s", time.monotonic() - started)
+
+    def __call__(self, inputs: DecodeInputs) -> Tensor | None:
+        """Final hidden states [rows, dim], or None when these inputs have no compiled graph (run eagerly)."""
+        self.num_calls += 1
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._call(inputs)
+        except RuntimeError as e:  # the stance's refusal is a plain RuntimeError
+            if "recompile" not in str(e):
+                raise
+            self.num_fallbacks += 1
+            if self.num_fallbacks == 1:
+                logger.warning("a decode step of shape %s has no compiled graph: running it eagerly",
+                               tuple(inputs.block_table.shape))
+            return None
+
+    def _call(self, inputs: DecodeInputs) -> Tensor:
+        for t in (inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_table):
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(inputs.block_table, 1)
+        return self._fn(inputs, self.kv_caches)
