@@ -27,6 +27,8 @@ import time
 import urllib.error
 import urllib.request
 
+from dpserve_shared.engine_flags import add_engine_flags, engine_argv
+
 _PR_SET_PDEATHSIG = 1
 _FRONTEND_STOP_S = 35.0  # the frontend drains in-flight requests for up to 30 s
 _COORDINATOR_STOP_S = 20.0
@@ -37,8 +39,6 @@ class UsageError(Exception):
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (bundled), a .gguf file or a HF directory")
-    parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     parser.add_argument(
         "--data-parallel-size-local", "-dpl", type=int, default=None, help="ranks on this node (default: all)"
@@ -55,31 +55,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per engine on CPU")
-    parser.add_argument("--device", default=None, help="cpu or cuda; default: cuda when available")
-    parser.add_argument(
-        "--dtype", default=None, choices=["auto", "float32", "bfloat16"],
-        help="engine precision; auto (default): float32 on CPU, bf16 on CUDA",
-    )
-    parser.add_argument(
-        "--quantization", default=None, choices=["auto", "int4", "none"],
-        help="auto (default): the GGUF's 4-bit weights in torch's int4 kernel on CPU; none: dequantized weights",
-    )
-    parser.add_argument(
-        "--enforce-eager", action="store_true",
-        help="eager PyTorch in the engines; default: each compiles its decode step at start-up on CPU (about a "
-        "minute the first time, then cached under ~/.cache/dpserve)",
-    )
-    parser.add_argument("--null-engine", action="store_true", help="no model: engines emit tokens on a fixed step time")
-    parser.add_argument("--null-step-time-ms", type=float, default=None)
     parser.add_argument("--engine-startup-timeout-s", type=float, default=600.0,
         help="how long ranks may take to load, compile and register (a first start compiles for minutes)")
+    add_engine_flags(parser)
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -126,35 +104,17 @@ def coordinator_command(args: argparse.Namespace, ready_file: str) -> list[str]:
         "--data-parallel-backend", args.data_parallel_backend,
         "--engine-startup-timeout-s", str(args.engine_startup_timeout_s),
         "--ready-file", ready_file,
-        "--model", args.model,
     ]  # fmt: skip
     optional = {
         "--data-parallel-size-local": args.data_parallel_size_local,
         "--ray-address": args.ray_address,
         "--ray-temp-dir": args.ray_temp_dir,
         "--ray-wait-for-nodes-s": args.ray_wait_for_nodes_s,
-        "--served-model-name": args.served_model_name,
-        "--max-model-len": args.max_model_len,
-        "--max-num-seqs": args.max_num_seqs,
-        "--max-num-batched-tokens": args.max_num_batched_tokens,
-        "--block-size": args.block_size,
-        "--num-kv-blocks": args.num_kv_blocks,
-        "--num-threads": args.num_threads,
-        "--device": args.device,
-        "--dtype": args.dtype,
-        "--quantization": args.quantization,
-        "--null-step-time-ms": args.null_step_time_ms,
     }
     for flag, value in optional.items():
         if value is not None:
             cmd += [flag, str(value)]
-    if args.null_engine:
-        cmd.append("--null-engine")
-    if args.enforce_eager:
-        cmd.append("--enforce-eager")
-    if args.enable_prefix_caching is not None:
-        cmd.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
-    return cmd
+    return cmd + list(engine_argv(args))
 
 
 def frontend_command(args: argparse.Namespace) -> list[str]:
@@ -289,7 +249,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     backend = args.data_parallel_backend
     _log(
-        f"starting: model {args.model}{' (null engine)' if args.null_engine else ''}, "
+        f"starting: model {args.model or 'smollm2'}{' (null engine)' if args.null_engine else ''}, "
         f"DP={args.data_parallel_size} on {backend}, {args.api_server_count} API server(s) on {args.host}:{args.port}"
     )
     code = 0

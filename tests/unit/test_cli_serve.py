@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from dpserve_shared.engine_flags import engine_argv
 
 from dpserve import cli
 from dpserve_coordinator import main as coordinator_main
@@ -45,8 +46,20 @@ def test_serve_passes_engine_flags_through_the_coordinator():
     coordinator_args = coordinator_main.build_parser().parse_args(cmd[3:])
     settings = coordinator_main.settings_from_args(coordinator_args)
     assert settings.data_parallel_size == settings.data_parallel_size_local == 2
-    assert settings.engine_args == ("--model", "smollm2", "--max-model-len", "512", "--null-engine",
-                                    "--no-enable-prefix-caching")
+    assert settings.engine_args == ("--max-model-len", "512", "--no-enable-prefix-caching", "--null-engine")
+
+
+def test_engine_flags_reach_the_engine_and_unset_ones_keep_its_defaults():
+    from dpserve_engine import service
+    from dpserve_engine.config import EngineConfig
+
+    def engine_config(*argv):
+        return service.config_from_args(service.build_parser().parse_args(["--coordinator", "tcp://h:1", *argv]))
+
+    args = serve_args("--enforce-eager", "--quantization", "none", "--max-num-seqs", "8", "--model", "m.gguf")
+    config = engine_config(*engine_argv(args))
+    assert (config.enforce_eager, config.quantization, config.max_num_seqs, config.model) == (True, "none", 8, "m.gguf")
+    assert engine_config(*engine_argv(serve_args())) == engine_config() == EngineConfig()
 
 
 def test_coordinator_refuses_mp_across_nodes():

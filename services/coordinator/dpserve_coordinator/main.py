@@ -10,50 +10,9 @@ import asyncio
 import logging
 import sys
 
+from dpserve_shared.engine_flags import add_engine_flags, engine_argv
+
 from dpserve_coordinator.settings import CoordinatorSettings
-
-# Engine flags the coordinator forwards: (flag, type) with type None for on/off switches.
-ENGINE_FLAGS: list[tuple[str, type | None]] = [
-    ("--model", str),
-    ("--served-model-name", str),
-    ("--max-model-len", int),
-    ("--max-num-seqs", int),
-    ("--max-num-batched-tokens", int),
-    ("--block-size", int),
-    ("--num-kv-blocks", int),
-    ("--null-step-time-ms", float),
-    ("--num-threads", int),
-    ("--device", str),
-    ("--dtype", str),
-    ("--quantization", str),
-    ("--null-engine", None),
-    ("--enforce-eager", None),
-]
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine (passed to every rank)")
-    for flag, kind in ENGINE_FLAGS:
-        if kind is None:
-            group.add_argument(flag, action="store_true", default=None)
-        else:
-            group.add_argument(flag, type=kind, default=None)
-    group.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="default: on"
-    )
-
-
-def engine_argv(args: argparse.Namespace) -> tuple[str, ...]:
-    """The engine flags that were set, as a command line."""
-    argv: list[str] = []
-    for flag, kind in ENGINE_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is None:
-            continue
-        argv += [flag] if kind is None else [flag, str(value)]
-    if args.enable_prefix_caching is not None:
-        argv.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
-    return tuple(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:

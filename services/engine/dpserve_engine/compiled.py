@@ -13,8 +13,9 @@ compiled by `warm_up()` at start-up, so no request waits; a call that would need
 (`fail_on_recompile`) and that step runs eagerly (`num_fallbacks`; none is expected).
 
 Guards: dynamo's guards on the model's ~400 parameters and submodules cost ~1.4 ms a call; they are skipped
-(`skip_guard_on_all_nn_modules_unsafe`): the weights and modules never change once loaded. The inputs' guards
-(shapes, dtypes) stay.
+(`skip_guard_on_all_nn_modules_unsafe`): the weights and modules never change once loaded. So is the global-state
+guard, which holds the thread count: the engine changes that with load, and a guard on it turned every step
+after a change into an eager fallback. The inputs' guards (shapes, dtypes) stay.
 
 Numerics: fused kernels sum in another order than eager PyTorch, so logits differ in the last bits and a
 near-tied greedy choice can differ from the eager path's (measured: as close to the fp32 reference as eager
@@ -38,6 +39,14 @@ from dpserve_engine.model import DecodeInputs, Transformer
 logger = logging.getLogger(__name__)
 
 
+def _guard_filter(entries: list) -> list[bool]:
+    """Keep the inputs' guards; drop the modules' (fixed once loaded) and GLOBAL_STATE, whose thread count the
+    engine changes with load (threads.py; the kernels read it at run time) and whose grad/autocast modes never
+    change here (always inference mode, no autocast)."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    return [k and e.guard_type != "GLOBAL_STATE" for k, e in zip(keep, entries)]
+
+
 class CompiledDecode:
     # Inputs are padded to at least this many rows and blocks (see the module docstring)
     min_rows = 2
@@ -53,7 +62,7 @@ class CompiledDecode:
             model.decode,
             fullgraph=True,
             dynamic=False,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            options={"guard_filter_fn": _guard_filter},
         )
         self.num_calls = 0
         self.num_fallbacks = 0

@@ -40,6 +40,7 @@ import msgspec
 import zmq
 
 from dpserve_shared.codec import encode, engine_decoder, from_coordinator_decoder
+from dpserve_shared.engine_flags import add_engine_flags
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -61,7 +62,7 @@ from dpserve_shared.schema import (
     Unregister,
 )
 
-from dpserve_engine.config import DEFAULT_MODEL, EngineConfig
+from dpserve_engine.config import EngineConfig
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest
 from dpserve_engine.threads import ThreadBudget
 from dpserve_shared.waves import EngineWaves
@@ -99,38 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0, help="port of the engine socket; 0 = random")
     parser.add_argument("--register-timeout-s", type=float, default=120.0)
     parser.add_argument("--drain-timeout-s", type=float, default=5.0)
-    defaults = EngineConfig()
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=defaults.enable_prefix_caching
-    )
-    parser.add_argument("--null-engine", action="store_true", help="no model: tokens on a fixed step time")
-    parser.add_argument("--null-step-time-ms", type=float, default=0.0)
-    parser.add_argument(
-        "--num-threads", type=int, default=None,
-        help="torch threads on CPU; default: the node's cores shared by the ranks on it that have requests",
-    )
-    parser.add_argument("--device", default=None, help="cpu or cuda; default: cuda when available")
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="auto: float32 on CPU (greedy-exact), bf16 with an fp32 LM head on CUDA",
-    )
-    parser.add_argument(
-        "--quantization", default="auto", choices=["auto", "int4", "none"],
-        help="auto (default): int4 for a GGUF model on CPU, else none; int4: the GGUF's 4-bit linear weights in "
-        "torch's int4 CPU kernel and an int8/bf16 LM head rescored in fp32; none: dequantized weights in --dtype",
-    )
-    parser.add_argument(
-        "--enforce-eager", action="store_true", default=defaults.enforce_eager,
-        help="eager PyTorch only; default: compile the decode step at start-up on CPU (about a minute the first "
-        "time, cached under the cache dir after)",
-    )
+    config = EngineConfig()
+    defaults = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    defaults["null_step_time_ms"] = config.null_step_time_s * 1000.0
+    add_engine_flags(parser, defaults)
     return parser
 
 

@@ -1,0 +1,88 @@
+"""The engine's command-line flags, declared once.
+
+`dpserve-engine` parses them with the engine's own defaults (`add_engine_flags(parser, defaults)`).
+`dpserve serve` and `dpserve-coordinator` accept the same flags with every default None, meaning "not given",
+and pass the given ones on to every rank (`engine_argv`), so a rank's defaults live in one place: the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFlag:
+    flag: str
+    kind: Any  # int, float, str; "switch" (store_true); "bool" (--x / --no-x)
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("--model", str, "'smollm2' (the bundled SmolLM2-135M GGUF), a .gguf file or a Hugging Face directory"),
+    EngineFlag("--served-model-name", str, "the model name in the API; default: the model's"),
+    EngineFlag("--max-model-len", int, "context length; default: the model's, at most 4096"),
+    EngineFlag("--max-num-seqs", int, "most requests running at once per rank"),
+    EngineFlag("--max-num-batched-tokens", int, "token budget of one step (decodes + prefill chunks)"),
+    EngineFlag("--block-size", int, "tokens per KV-cache block"),
+    EngineFlag("--num-kv-blocks", int, "KV-cache blocks per rank; default: sized from 1 GiB"),
+    EngineFlag("--enable-prefix-caching", "bool", "reuse cached KV blocks of shared prompt prefixes"),
+    EngineFlag("--device", str, "cpu or cuda; default: cuda when available"),
+    EngineFlag(
+        "--num-threads", int,
+        "torch threads on CPU; default: the node's cores shared by the ranks on it that have requests",
+    ),
+    EngineFlag(
+        "--dtype", str, "auto: float32 on CPU (greedy-exact), bf16 with an fp32 LM head on CUDA",
+        ("auto", "float32", "bfloat16"),
+    ),
+    EngineFlag(
+        "--quantization", str,
+        "auto: int4 for a GGUF model on CPU, else none; int4: the GGUF's 4-bit linear weights in torch's int4 CPU "
+        "kernel and an int8/bf16 LM head rescored in fp32; none: dequantized weights in --dtype",
+        ("auto", "int4", "none"),
+    ),
+    EngineFlag(
+        "--enforce-eager", "switch",
+        "eager PyTorch only; default: compile the decode step at start-up on CPU (about a minute the first time, "
+        "cached under ~/.cache/dpserve after)",
+    ),
+    EngineFlag("--null-engine", "switch", "no model: tokens on a fixed step time (benchmarks, simulation)"),
+    EngineFlag("--null-step-time-ms", float, "the null engine's step time"),
+)  # fmt: skip
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """Declare ENGINE_FLAGS on `parser`: with the engine's `defaults` (by dest), or all None (forwarders)."""
+    group = parser.add_argument_group("engine (every rank)")
+    for f in ENGINE_FLAGS:
+        default = defaults[f.dest] if defaults is not None else None
+        shown = f"{f.help} (default: {default})" if defaults is not None and f.kind != "switch" else f.help
+        if f.kind == "switch":
+            group.add_argument(f.flag, action="store_true", default=default, help=f.help)
+        elif f.kind == "bool":
+            group.add_argument(f.flag, action=argparse.BooleanOptionalAction, default=default, help=shown)
+        else:
+            group.add_argument(f.flag, type=f.kind, default=default, choices=f.choices, help=shown)
+
+
+def engine_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engine flags given on a forwarder's command line, as a command line for the engine."""
+    argv: list[str] = []
+    for f in ENGINE_FLAGS:
+        value = getattr(args, f.dest)
+        if value is None or (f.kind == "switch" and not value):
+            continue
+        if f.kind == "switch":
+            argv.append(f.flag)
+        elif f.kind == "bool":
+            argv.append(f.flag if value else "--no-" + f.flag[2:])
+        else:
+            argv += [f.flag, str(value)]
+    return tuple(argv)
