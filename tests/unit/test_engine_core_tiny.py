@@ -196,3 +196,18 @@ def test_compiled_decode_step_gives_the_eager_tokens(model):
         torch.set_num_threads(threads)
     compiled = compiled_core.runner.compiled
     assert compiled.num_calls > 0 and compiled.num_fallbacks == 0
+
+
+@pytest.mark.timeout(120)
+def test_engine_serves_eagerly_when_the_decode_step_cannot_compile(model, monkeypatch, caplog):
+    """No C++ compiler (a slim image, say): a warning, and the eager path, not a rank that fails to start."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()  # no graph left from another test in this process
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    core = engine(model, enforce_eager=False)
+    assert core.runner.compiled is None
+    assert "compiling the decode step failed" in caplog.text
+    request = ("a", prompt(1), greedy())
+    assert tokens(run(core, [request])) == {"a": solo(model, *request)}

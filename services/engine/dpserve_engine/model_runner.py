@@ -58,7 +58,12 @@ class ModelRunner:
         from dpserve_engine.compiled import CompiledDecode
 
         compiled = CompiledDecode(self.model, self.kv_caches)
-        compiled.warm_up(self.prepare_decode_only([], compiled.min_rows, compiled.min_blocks))  # scratch rows only
+        try:
+            compiled.warm_up(self.prepare_decode_only([], compiled.min_rows, compiled.min_blocks))  # scratch rows
+        except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
+            logger.warning("compiling the decode step failed, running eager PyTorch: %s: %s", type(e).__name__,
+                           str(e).splitlines()[0] if str(e) else "")
+            return
         self.compiled = compiled
 
     @staticmethod
