@@ -3,6 +3,8 @@
 Every linear layer runs on the flattened token batch x: [T, dim] (all sequences' new tokens side by side).
 Attention reads and writes K/V through flat cache slots (block_id * block_size + offset): one-token decodes are
 batched into one matmul attention, prefill chunks run per sequence with a causal mask over their cached prefix.
+Two entry points: `forward` (any mix of decodes and prefill chunks, eager) and `decode` (one-token decodes only,
+tensor inputs only: what compiled.py compiles; the same math, the same `_qkv` and `_attend`).
 
 Precision: weights may be bf16 while activations, norms and the residual stay fp32 (`Linear` casts its input to
 the weight dtype and its output back). On this CPU that mix, with an fp32 KV cache and an fp32 LM head, gives the
