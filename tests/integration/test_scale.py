@@ -110,6 +110,25 @@ class StreamLoad:
             thread.join(120)
 
 
+def _pinned_stream(base_url: str, max_tokens: int, rank: int) -> tuple[threading.Thread, dict]:
+    """A stream pinned to `rank` on a thread, returned once its first event arrived; the dict gets "events" (the
+    count) when it ends, or "error"."""
+    result: dict = {}
+    is_running = threading.Event()
+
+    def run():
+        try:
+            result["events"] = _stream(base_url, max_tokens, {"X-data-parallel-rank": str(rank)}, is_running.set)
+        except Exception as e:  # noqa: BLE001
+            result["error"] = repr(e)
+        is_running.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert is_running.wait(30) and "error" not in result, result
+    return thread, result
+
+
 def _scale(rpc_port: int, size: int, *extra: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
         [DPSERVE, "scale", "--data-parallel-size", str(size), "--data-parallel-rpc-port", str(rpc_port),
@@ -162,19 +181,7 @@ def test_scale_up_and_down_under_load_fails_no_request(server):
         assert sorted(pids) == [0, 1, 2], pids
 
         # A stream pinned to rank 2 that outlives the engine's own drain timeout (5 s): 350 x 20 ms = 7 s.
-        long_result: dict = {}
-        is_running = threading.Event()
-
-        def long_stream():
-            try:
-                long_result["events"] = _stream(server.url, 350, {"X-data-parallel-rank": "2"}, is_running.set)
-            except Exception as e:  # noqa: BLE001
-                long_result["error"] = repr(e)
-            is_running.set()
-
-        thread = threading.Thread(target=long_stream, daemon=True)
-        thread.start()
-        assert is_running.wait(30) and "error" not in long_result, long_result
+        thread, long_result = _pinned_stream(server.url, 350, rank=2)
 
         started = time.monotonic()
         down = _scale(server.rpc_port, 1)
@@ -208,19 +215,7 @@ def test_refusals_and_a_removed_rank_number_serves_again(server):
         assert _stream(server.url, 8, {"X-data-parallel-rank": "1"}) == 8
 
         # A scale-down that waits for a long stream pinned to rank 1 is in progress: a second scale is refused.
-        is_running = threading.Event()
-        long_result: dict = {}
-
-        def long_stream():
-            try:
-                long_result["events"] = _stream(server.url, 250, {"X-data-parallel-rank": "1"}, is_running.set)
-            except Exception as e:  # noqa: BLE001
-                long_result["error"] = repr(e)
-            is_running.set()
-
-        thread = threading.Thread(target=long_stream, daemon=True)
-        thread.start()
-        assert is_running.wait(30) and "error" not in long_result, long_result
+        thread, long_result = _pinned_stream(server.url, 250, rank=1)
         first = subprocess.Popen(
             [DPSERVE, "scale", "-dp", "1", "--data-parallel-rpc-port", str(server.rpc_port), "--timeout-s", "120"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

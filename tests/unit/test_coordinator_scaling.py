@@ -6,34 +6,26 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from dpserve_coordinator import scaling
 from dpserve_coordinator.launcher import EngineLauncher
 from dpserve_coordinator.placement import NodeResources, PlacementError, plan_added_rank
 from dpserve_coordinator.registry import Registry, RegistrationRefused
-from dpserve_coordinator.server import Coordinator
-from dpserve_coordinator.settings import CoordinatorSettings
 from dpserve_shared.codec import encode
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     EngineLoad,
     EngineState,
     EngineStats,
-    ModelInfo,
     RegisterAck,
     RegisterEngine,
     ScaleAck,
     ScaleRequest,
     Shutdown,
 )
-from tests.conftest import free_port
-from tests.unit.test_coordinator_server import _dealer, _recv
+from tests.unit.test_coordinator_server import MODEL, _dealer, _recv, running_coordinator
 
 pytestmark = pytest.mark.timeout(30)
-
-MODEL = ModelInfo(name="m", root="-", max_model_len=64, vocab_size=10, tokenizer_json="{}")
 
 
 def _register(registry: Registry, rank: int, engine_id: str, now_s: float = 0.0) -> int:
@@ -169,13 +161,8 @@ async def _engine(ctx, addr: str, rank: int):
 
 
 async def _scale_scenario() -> None:
-    settings = CoordinatorSettings(data_parallel_size=1, data_parallel_backend="mp",
-                                   data_parallel_rpc_port=free_port(), engine_startup_timeout_s=10)
     launcher = FakeLauncher()
-    coordinator = Coordinator(settings, launcher)
-    task = asyncio.create_task(coordinator.run())
-    ctx = zmq.asyncio.Context()
-    try:
+    async with running_coordinator(launcher) as (settings, coordinator, task, ctx):
         admin = _dealer(ctx, "scale-1", settings.control_addr)
         await admin.send(encode(ScaleRequest(2)))
         early = await _recv(admin, ScaleAck)
@@ -224,10 +211,6 @@ async def _scale_scenario() -> None:
 
         coordinator._stopping.set()
         assert await asyncio.wait_for(task, 10) == 0
-    finally:
-        if not task.done():
-            task.cancel()
-        ctx.destroy(0)
 
 
 def test_scale_up_and_down_over_real_sockets(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import zmq
@@ -71,14 +72,25 @@ def _dealer(ctx, identity: str, addr: str):
     return sock
 
 
-async def _scenario() -> None:
+@contextlib.asynccontextmanager
+async def running_coordinator(launcher: EngineLauncher):
+    """A DP=1 coordinator running as a task, and a ZMQ context; both cancelled and destroyed on the way out."""
     settings = CoordinatorSettings(data_parallel_size=1, data_parallel_backend="mp",
                                    data_parallel_rpc_port=free_port(), engine_startup_timeout_s=10)
-    launcher = FakeLauncher()
     coordinator = Coordinator(settings, launcher)
     task = asyncio.create_task(coordinator.run())
     ctx = zmq.asyncio.Context()
     try:
+        yield settings, coordinator, task, ctx
+    finally:
+        if not task.done():
+            task.cancel()
+        ctx.destroy(0)
+
+
+async def _scenario() -> None:
+    launcher = FakeLauncher()
+    async with running_coordinator(launcher) as (settings, coordinator, task, ctx):
         engine = _dealer(ctx, "engine-x", settings.control_addr)
         await engine.send(encode(RegisterEngine(PROTOCOL_VERSION + 1, 0, "engine-x", "tcp://h:1", MODEL)))
         refused = await _recv(engine, RegisterAck)
@@ -116,10 +128,6 @@ async def _scenario() -> None:
         assert (await _recv(sub, Shutdown)).drain
         assert await asyncio.wait_for(task, 10) == 0
         assert launcher.closed
-    finally:
-        if not task.done():
-            task.cancel()
-        ctx.destroy(0)
 
 
 def test_registration_topology_load_and_frontend_gone_over_real_sockets():
