@@ -92,6 +92,7 @@ class DecodeInputs(NamedTuple):
     slot_mapping: Tensor  # [D] cache slot of each new token's K/V
     block_table: Tensor  # [D, nb] each sequence's cache blocks, padded with block 0 to the longest
     block_size: int  # a constant to torch.compile
+    num_rows: Tensor  # [] rows 0..num_rows-1 are real decodes, the rest padding (skipped by the int4 matmuls)
 
 
 class Linear(nn.Module):
@@ -105,7 +106,8 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
-    decode = forward  # every row a decode: the same path
+    def decode(self, x: Tensor, rows: int) -> Tensor:
+        return self(x)  # every row a decode: the same path (padding rows included)
 
 
 class RowSplit:
@@ -151,9 +153,11 @@ class Int4Linear(nn.Module):
             y = torch.cat([self._int4(xb[:n]), self._dense(xb[n:])])
         return y.to(x.dtype)
 
-    def decode(self, x: Tensor) -> Tensor:
-        """Every row a decode (the compiled decode step): the int4 kernel, no branch on RowSplit."""
-        return self._int4(x.to(torch.bfloat16)).to(x.dtype)
+    def decode(self, x: Tensor, rows: int) -> Tensor:
+        """Every row a decode (the compiled decode step): the int4 kernel on the first `rows` rows, zeros for
+        the padding rows after them; no branch on RowSplit."""
+        y = self._int4(x.narrow(0, 0, rows).to(torch.bfloat16))
+        return torch.cat([y, y.new_zeros(x.shape[0] - rows, y.shape[1])]).to(x.dtype)
 
     def _dense(self, xb: Tensor) -> Tensor:
         return F.linear(torch.cat([xb, xb], dim=1), self.dense)
@@ -259,11 +263,13 @@ class Attention(nn.Module):
             out = torch.cat(parts)
         return self.wo(out.reshape(T, self.q_size))
 
-    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, inputs: DecodeInputs, kv: tuple[Tensor, Tensor]) -> Tensor:
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, inputs: DecodeInputs, kv: tuple[Tensor, Tensor], rows: int
+    ) -> Tensor:
         """A decode-only step written for torch.compile: tensor inputs only, K/V written with index_put_ (which
         inductor updates in place) and gathered by block table; the same math as forward()."""
         D, nb, bs = x.shape[0], inputs.block_table.shape[1], inputs.block_size
-        q, k, v = self._qkv(self.wqkv.decode(x), cos, sin)
+        q, k, v = self._qkv(self.wqkv.decode(x, rows), cos, sin)
         k_cache, v_cache = kv
         heads = torch.arange(self.n_kv_heads, device=x.device).unsqueeze(1)
         k_cache.index_put_((heads, inputs.slot_mapping.unsqueeze(0)), k.transpose(0, 1).to(k_cache.dtype))
@@ -274,7 +280,7 @@ class Attention(nn.Module):
         is_pad = torch.arange(nb * bs, device=x.device) > inputs.positions.unsqueeze(1)  # [D, L]
         bias = torch.zeros(is_pad.shape, device=x.device).masked_fill_(is_pad, float("-inf"))
         out = self._attend(q, k, v, bias.view(1, D, 1, -1))
-        return self.wo.decode(out.reshape(D, self.q_size))
+        return self.wo.decode(out.reshape(D, self.q_size), rows)
 
     def _qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The fused projection's output -> q [T, H, hd], k [T, Hkv, hd] (both rotated), v [T, Hkv, hd]."""
@@ -322,9 +328,9 @@ class FeedForward(nn.Module):
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
         return self.w2(F.silu(gate) * up)
 
-    def decode(self, x: Tensor) -> Tensor:
-        gate, up = self.w13.decode(x).split(self.ffn_dim, dim=-1)
-        return self.w2.decode(F.silu(gate) * up)
+    def decode(self, x: Tensor, rows: int) -> Tensor:
+        gate, up = self.w13.decode(x, rows).split(self.ffn_dim, dim=-1)
+        return self.w2.decode(F.silu(gate) * up, rows)
 
 
 class TransformerBlock(nn.Module):
@@ -339,9 +345,11 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), cos, sin, meta, kv)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, inputs: DecodeInputs, kv: tuple[Tensor, Tensor]) -> Tensor:
-        h = x + self.attention.decode(self.attention_norm(x), cos, sin, inputs, kv)
-        return h + self.feed_forward.decode(self.ffn_norm(h))
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, inputs: DecodeInputs, kv: tuple[Tensor, Tensor], rows: int
+    ) -> Tensor:
+        h = x + self.attention.decode(self.attention_norm(x), cos, sin, inputs, kv, rows)
+        return h + self.feed_forward.decode(self.ffn_norm(h), rows)
 
 
 class Transformer(nn.Module):
@@ -376,8 +384,11 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(inputs.tokens).to(self.prec.act)
         cos = self.rope_cos[inputs.positions].unsqueeze(1)
         sin = self.rope_sin[inputs.positions].unsqueeze(1)
+        rows = (inputs.num_rows + 0).item()  # of a computed tensor: unbacked, so never specialized to a value
+        torch._check(rows >= 1)
+        torch._check(rows <= x.shape[0])
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer.decode(x, cos, sin, inputs, kv)
+            x = layer.decode(x, cos, sin, inputs, kv, rows)
         return self.norm(x)
 
     def compute_logits(self, h: Tensor) -> Tensor:

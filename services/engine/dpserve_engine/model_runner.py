@@ -115,8 +115,9 @@ class ModelRunner:
 
     def prepare_decode_only(self, decodes: list[Sequence], min_rows: int, min_blocks: int) -> DecodeInputs:
         """Decodes as DecodeInputs (the compiled path), padded to `min_rows` rows that write to the scratch block
-        and attend to position 0 of it."""
+        and attend to position 0 of it; the matmuls skip the padding rows (num_rows)."""
         tokens, positions, slots, tables = self._decode_lists(decodes, min_blocks)
+        num_rows = max(len(decodes), 1)  # padding only: one row computed (they are all alike)
         width = len(tables[0]) if tables else min_blocks
         for _ in range(min_rows - len(decodes)):
             tokens.append(0)
@@ -130,6 +131,7 @@ class ModelRunner:
             torch.tensor(slots, device=dev),
             torch.tensor(tables, device=dev),
             self.block_size,
+            torch.tensor(num_rows),  # on the CPU: read with .item() in the graph
         )
 
     def _prepare_prefills(self, batch: ScheduledBatch, first_row: int, tokens: list[int]):
