@@ -199,14 +199,15 @@ def test_compiled_decode_step_gives_the_eager_tokens(model):
 
 
 @pytest.mark.timeout(120)
-def test_engine_serves_eagerly_when_the_decode_step_cannot_compile(model, monkeypatch, caplog):
+def test_engine_serves_eagerly_when_the_decode_step_cannot_compile(model, caplog):
     """No C++ compiler (a slim image, say): a warning, and the eager path, not a rank that fails to start."""
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()  # no graph left from another test in this process
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
-    core = engine(model, enforce_eager=False)
+    # config.patch, not monkeypatch: monkeypatch's undo deletes a config module's entry instead of restoring it
+    no_compiler = {"cpp.cxx": (None, "/nonexistent/c++")}
+    with inductor_config.patch(no_compiler), torch.compiler.config.patch(force_disable_caches=True):
+        core = engine(model, enforce_eager=False)
     assert core.runner.compiled is None
     assert "compiling the decode step failed" in caplog.text
     request = ("a", prompt(1), greedy())

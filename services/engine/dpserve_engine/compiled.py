@@ -45,6 +45,7 @@ import time
 import torch
 from torch import Tensor
 
+from dpserve_engine import kernels
 from dpserve_engine.model import DecodeInputs, Transformer
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,10 @@ class CompiledDecode:
     min_rows = 2
     min_blocks = 2
 
-    def __init__(self, model: Transformer, kv_caches: list[tuple[Tensor, Tensor]]):
+    def __init__(self, model: Transformer, kv_caches: list[tuple[Tensor, Tensor]], cache_dir: str):
         import torch._inductor.config as inductor_config
+
+        kernels.load(cache_dir)  # torch.ops.dpserve.paged_decode_attention, which Transformer.decode calls
 
         # Kernels read the thread count at run time: the engine changes it with load (threads.py).
         inductor_config.cpp.dynamic_threads = True

@@ -54,7 +54,7 @@ class EngineCore(EngineCoreBase):
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_blocks_total, config.block_size, model_info.eos_token_ids)
         if not config.enforce_eager and self.runner.device.type == "cpu":
-            self.runner.compile_decode()
+            self.runner.compile_decode(config.cache_dir)
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.num_arrivals = 0

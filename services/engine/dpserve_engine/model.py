@@ -4,7 +4,7 @@ Every linear layer runs on the flattened token batch x: [T, dim] (all sequences'
 Attention reads and writes K/V through flat cache slots (block_id * block_size + offset): one-token decodes are
 batched into one matmul attention, prefill chunks run per sequence with a causal mask over their cached prefix.
 Two entry points: `forward` (any mix of decodes and prefill chunks, eager) and `decode` (one-token decodes only,
-tensor inputs only: what compiled.py compiles; the same math, the same `_qkv` and `_attend`).
+tensor inputs only: what compiled.py compiles; the same math and the same `_qkv`, with decode attention in a C++ op).
 
 Precision: weights may be bf16 while activations, norms and the residual stay fp32 (`Linear` casts its input to
 the weight dtype and its output back). On this CPU that mix, with an fp32 KV cache and an fp32 LM head, gives the
@@ -267,19 +267,17 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, inputs: DecodeInputs, kv: tuple[Tensor, Tensor], rows: int
     ) -> Tensor:
         """A decode-only step written for torch.compile: tensor inputs only, K/V written with index_put_ (which
-        inductor updates in place) and gathered by block table; the same math as forward()."""
-        D, nb, bs = x.shape[0], inputs.block_table.shape[1], inputs.block_size
+        inductor updates in place) and attended where they lie in the cache by the engine's C++ op (kernels.py,
+        loaded by compiled.py); the same math as forward() (up to the order of the sums)."""
+        D = x.shape[0]
         q, k, v = self._qkv(self.wqkv.decode(x, rows), cos, sin)
         k_cache, v_cache = kv
         heads = torch.arange(self.n_kv_heads, device=x.device).unsqueeze(1)
         k_cache.index_put_((heads, inputs.slot_mapping.unsqueeze(0)), k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_put_((heads, inputs.slot_mapping.unsqueeze(0)), v.transpose(0, 1).to(v_cache.dtype))
-        hd = self.head_dim
-        k = k_cache.view(self.n_kv_heads, -1, bs, hd)[:, inputs.block_table].view(self.n_kv_heads, D, nb * bs, hd)
-        v = v_cache.view(self.n_kv_heads, -1, bs, hd)[:, inputs.block_table].view(self.n_kv_heads, D, nb * bs, hd)
-        is_pad = torch.arange(nb * bs, device=x.device) > inputs.positions.unsqueeze(1)  # [D, L]
-        bias = torch.zeros(is_pad.shape, device=x.device).masked_fill_(is_pad, float("-inf"))
-        out = self._attend(q, k, v, bias.view(1, D, 1, -1))
+        out = torch.ops.dpserve.paged_decode_attention(
+            q, k_cache, v_cache, inputs.block_table, inputs.positions, inputs.block_size, self.scale
+        )
         return self.wo.decode(out.reshape(D, self.q_size), rows)
 
     def _qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:

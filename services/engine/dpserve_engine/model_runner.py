@@ -53,16 +53,17 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens, %s", num_blocks, block_size, kv_dtype)
 
     @torch.inference_mode()  # the inputs too: the guards compare their dispatch keys with run()'s
-    def compile_decode(self) -> None:
+    def compile_decode(self, cache_dir: str) -> None:
         """Compile the decode step (compiled.py) now, so that no request waits for a compile later."""
         from dpserve_engine.compiled import CompiledDecode
 
-        compiled = CompiledDecode(self.model, self.kv_caches)
         try:
+            compiled = CompiledDecode(self.model, self.kv_caches, cache_dir)
             compiled.warm_up(self.prepare_decode_only([], compiled.min_rows, compiled.min_blocks))  # scratch rows
         except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             logger.warning("compiling the decode step failed, running eager PyTorch: %s: %s", type(e).__name__,
-                           str(e).splitlines()[0] if str(e) else "")
+                           " ".join(lines[:2]))  # e.g. "backend='inductor' raised:" and its cause
             return
         self.compiled = compiled
 
