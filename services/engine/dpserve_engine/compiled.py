@@ -28,7 +28,8 @@ point are built separately (`cpp_wrapper_build_separate`), which keeps a cold co
 
 Guards: dynamo's guards on the model's ~400 parameters and submodules cost ~1.4 ms a call; they are skipped
 (`skip_guard_on_all_nn_modules_unsafe`): the weights and modules never change once loaded. So are the guards on
-the 60 KV cache tensors and their pairwise identity checks (~0.2 ms; the runner always passes the same list),
+58 of the 60 KV cache tensors and their pairwise identity checks (~0.2 ms; the runner always passes the same
+list; the first layer's two keep the graph tied to the cache's shape and dtype),
 and the global-state guard, which holds the thread count: the engine changes that with load, and a guard on it
 turned every step after a change into an eager fallback. The inputs' guards (shapes, dtypes) stay.
 
@@ -56,12 +57,16 @@ logger = logging.getLogger(__name__)
 
 
 def _guard_filter(entries: list) -> list[bool]:
-    """Keep the inputs' guards; drop the modules' and the KV caches' (fixed once loaded) and GLOBAL_STATE, whose
-    thread count the engine changes with load (threads.py; the kernels read it at run time) and whose
-    grad/autocast modes never change here (always inference mode, no autocast)."""
+    """Keep the inputs' guards; drop the modules' (fixed once loaded), all but the first layer's of the KV caches
+    (one layer's shape and dtype tie the graph to the cache geometry; the other 58 tensors and their pairwise
+    checks cost ~0.2 ms a call) and GLOBAL_STATE, whose thread count the engine changes with load (threads.py;
+    the kernels read it at run time) and whose grad/autocast modes never change here (always inference mode)."""
     keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
-    return [k and e.guard_type not in ("GLOBAL_STATE", "DUPLICATE_INPUT") and not e.name.startswith("kv_caches")
-            for k, e in zip(keep, entries)]
+    return [
+        k and e.guard_type not in ("GLOBAL_STATE", "DUPLICATE_INPUT")
+        and (not e.name.startswith("kv_caches[") or e.name.startswith("kv_caches[0]"))
+        for k, e in zip(keep, entries)
+    ]
 
 
 class CompiledDecode:

@@ -73,12 +73,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t* pos = positions.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  int64_t max_len = 1;
   for (int64_t d = 0; d < D; ++d) {
     TORCH_CHECK(pos[d] >= 0 && pos[d] < nb * block_size, "paged_decode_attention: position past the block table");
+    max_len = std::max(max_len, pos[d] + 1);
   }
-  // Small steps (batch 1: 3 items of ~1 us) are not worth waking a second thread for.
-  int64_t max_len = 1;
-  for (int64_t d = 0; d < D; ++d) max_len = std::max(max_len, pos[d] + 1);
+  // Items of fewer than ~16k multiply-adds each (short contexts) go to a thread in groups.
   const int64_t grain = std::max<int64_t>(1, 16384 / (G * max_len * hd));
   at::parallel_for(0, D * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
