@@ -181,10 +181,12 @@ def test_invalid_requests(model, ids, params, message):
 def test_compiled_decode_step_gives_the_eager_tokens(model):
     """The compiled decode graph (one graph for every batch size and context length, padded rows on the scratch
     block) against eager PyTorch on the same requests: 1 then 6 at once, contexts crossing many blocks, prefills
-    joining mid-decode. The tiny model's logits are far apart, so greedy tokens must be equal."""
+    joining mid-decode. The tiny model's logits are far apart, so greedy tokens must be equal. Steps call the
+    graph directly (DirectCall); the guarded torch.compile call, used when that cannot be set up, is checked too."""
     requests = [(f"r{i}", prompt(i, 3 + 5 * i), greedy(max_tokens=20 + 3 * i)) for i in range(6)]
     compiled_core = engine(model, enforce_eager=False)
-    assert compiled_core.runner.compiled is not None
+    compiled = compiled_core.runner.compiled
+    assert compiled is not None and compiled.direct is not None
     alone = solo(model, "r0", *requests[0][1:])
     assert tokens(run(compiled_core, requests[:1])) == {"r0": alone}
     assert tokens(run(compiled_core, requests)) == tokens(run(engine(model), requests))
@@ -194,7 +196,11 @@ def test_compiled_decode_step_gives_the_eager_tokens(model):
         assert tokens(run(compiled_core, requests[:2])) == tokens(run(engine(model), requests[:2]))
     finally:
         torch.set_num_threads(threads)
-    compiled = compiled_core.runner.compiled
+    direct, compiled.direct = compiled.direct, None
+    try:
+        assert tokens(run(compiled_core, requests[:3])) == tokens(run(engine(model), requests[:3]))
+    finally:
+        compiled.direct = direct
     assert compiled.num_calls > 0 and compiled.num_fallbacks == 0
 
 

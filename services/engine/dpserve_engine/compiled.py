@@ -31,7 +31,12 @@ Guards: dynamo's guards on the model's ~400 parameters and submodules cost ~1.4 
 58 of the 60 KV cache tensors and their pairwise identity checks (~0.2 ms; the runner always passes the same
 list; the first layer's two keep the graph tied to the cache's shape and dtype),
 and the global-state guard, which holds the thread count: the engine changes that with load, and a guard on it
-turned every step after a change into an eager fallback. The inputs' guards (shapes, dtypes) stay.
+turned every step after a change into an eager fallback. The inputs' guards (shapes, dtypes) stay, for the
+guarded call.
+
+Steps skip even those: once compiled, `DirectCall` calls the graph's C++ entry point with the flat input list
+it recorded at warm-up (~0.9 ms less per step at batch 1, paired). The guarded call stays for what the direct
+call cannot take (fewer rows or blocks than the minimum), and for all steps if the recording fails.
 
 Numerics: fused kernels sum in another order than eager PyTorch, so logits differ in the last bits and a
 near-tied greedy choice can differ from the eager path's (measured: as close to the fp32 reference as eager
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -90,19 +96,31 @@ class CompiledDecode:
             dynamic=False,
             options={"guard_filter_fn": _guard_filter, "cpp_wrapper": True, "cpp_wrapper_build_separate": True},
         )
+        self.direct: DirectCall | None = None  # set by warm_up()
         self.num_calls = 0
         self.num_fallbacks = 0
 
-    def warm_up(self, inputs: DecodeInputs) -> None:
-        """Compile, on inputs of min_rows x min_blocks (padding rows only: they touch only the scratch block)."""
+    def warm_up(self, prepare: Callable[[int, int], DecodeInputs]) -> None:
+        """Compile, on padding rows only (they touch only the scratch block); then set up the direct call.
+        `prepare(rows, blocks)` gives such inputs of that many rows and blocks."""
         started = time.monotonic()
         logger.info("compiling the decode step (one to two minutes on a first start; cached after)")
-        self._call(inputs)
+        self._call(prepare(self.min_rows, self.min_blocks))
         logger.info("decode step compiled in %.1f s", time.monotonic() - started)
+        try:
+            self.direct = DirectCall.capture(self, prepare)
+        except DirectCallUnavailable as e:
+            logger.warning("decode step: no direct call (%s); every step goes through torch.compile's guards", e)
 
     def __call__(self, inputs: DecodeInputs) -> Tensor | None:
         """Final hidden states [rows, dim], or None when these inputs have no compiled graph (run eagerly)."""
         self.num_calls += 1
+        rows, blocks = inputs.block_table.shape
+        if self.direct is not None and rows >= self.min_rows and blocks >= self.min_blocks:
+            return self.direct(inputs, rows, blocks)
+        return self._guarded_call(inputs)
+
+    def _guarded_call(self, inputs: DecodeInputs) -> Tensor | None:
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 return self._call(inputs)
@@ -120,3 +138,92 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(inputs.block_table, 1)
         return self._fn(inputs, self.kv_caches)
+
+
+class DirectCallUnavailable(Exception):
+    pass
+
+
+class DirectCall:
+    """The compiled graph's C++ entry point, called without torch.compile's Python layers around it.
+
+    A call through `torch.compile` first runs dynamo's frame hook and guards, then AOTAutograd's runtime wrapper
+    and inductor's output-code wrapper, each walking the graph's ~370 flat inputs (weights and KV caches are
+    inputs too); ~1 ms a step at batch 1 here, about a seventh of the step. The graph itself takes a flat list:
+    the same weight and cache tensors every step, the step's five input tensors, and the dynamic sizes as ints.
+    `capture` records that list from two guarded calls of different shapes, works out which entries are which,
+    and checks that a direct call gives the guarded call's exact result; `__call__` then fills in a step's
+    tensors and sizes and calls the entry point.
+
+    What the guards checked is held by construction: the runner builds every step's inputs the same way
+    (int64 tensors, at least min_rows x min_blocks, checked per call), the weights and caches never change
+    (the guard filter skips them anyway), and inductor's size and stride asserts still run inside the entry.
+    """
+
+    _FIELDS = ("tokens", "positions", "slot_mapping", "block_table", "num_rows")
+
+    def __init__(self, fn, template: list, tensor_slots: list[tuple[int, int]], row_slots: list[int],
+                 block_slots: list[int]):
+        self._fn = fn
+        self._template = template
+        self._tensor_slots = tensor_slots  # (flat index, DecodeInputs field index)
+        self._row_slots = row_slots
+        self._block_slots = block_slots
+
+    def __call__(self, inputs: DecodeInputs, rows: int, blocks: int) -> Tensor:
+        args = list(self._template)
+        for i, field in self._tensor_slots:
+            args[i] = inputs[field]
+        for i in self._row_slots:
+            args[i] = rows
+        for i in self._block_slots:
+            args[i] = blocks
+        return self._fn(args)[0]
+
+    @classmethod
+    def capture(cls, compiled: CompiledDecode, prepare: Callable[[int, int], DecodeInputs]) -> DirectCall:
+        (a, fn_a, flat_a, out_a), (b, fn_b, flat_b, out_b) = (
+            cls._record(compiled, prepare(rows, blocks)) for rows, blocks in ((3, 5), (4, 7))
+        )
+        if fn_a is not fn_b or len(flat_a) != len(flat_b):
+            raise DirectCallUnavailable("the two calls ran different graphs")
+        fields = {name: DecodeInputs._fields.index(name) for name in cls._FIELDS}
+        template, tensor_slots, row_slots, block_slots = [], [], [], []
+        for i, (x, y) in enumerate(zip(flat_a, flat_b)):
+            template.append(x)
+            if (isinstance(x, Tensor) and x is y) or (type(x) is int and x == y):
+                continue  # a weight or a KV cache (the same tensor every step), or a constant
+            if type(x) is int and type(y) is int and (x, y) in ((3, 4), (5, 7)):
+                (row_slots if (x, y) == (3, 4) else block_slots).append(i)
+                continue
+            match = [f for f in fields.values() if a[f] is x and b[f] is y]
+            if not match:
+                raise DirectCallUnavailable(f"graph input {i} ({type(x).__name__}) is not one of the step's")
+            tensor_slots.append((i, match[0]))
+            template[i] = None
+        direct = cls(fn_a, template, tensor_slots, row_slots, block_slots)
+        out = direct(b, 4, 7)
+        if not torch.equal(out, out_b):
+            raise DirectCallUnavailable("a direct call differs from the guarded call")
+        return direct
+
+    @staticmethod
+    def _record(compiled: CompiledDecode, inputs: DecodeInputs):
+        """One guarded call of `inputs`, with the graph's entry point and the flat inputs it was given."""
+        from torch._inductor.output_code import CompiledFxGraph
+
+        seen = []
+        original = CompiledFxGraph.__call__
+
+        def record(graph, flat):
+            seen.append((graph.current_callable, list(flat)))
+            return original(graph, flat)
+
+        CompiledFxGraph.__call__ = record
+        try:
+            out = compiled._guarded_call(inputs)
+        finally:
+            CompiledFxGraph.__call__ = original
+        if out is None or len(seen) != 1:
+            raise DirectCallUnavailable(f"{len(seen)} graph calls recorded, output {type(out).__name__}")
+        return inputs, seen[0][0], seen[0][1], out

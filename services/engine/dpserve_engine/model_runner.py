@@ -59,7 +59,7 @@ class ModelRunner:
 
         try:
             compiled = CompiledDecode(self.model, self.kv_caches, cache_dir)
-            compiled.warm_up(self.prepare_decode_only([], compiled.min_rows, compiled.min_blocks))  # scratch rows
+            compiled.warm_up(lambda rows, blocks: self.prepare_decode_only([], rows, blocks))  # scratch rows only
         except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             logger.warning("compiling the decode step failed, running eager PyTorch: %s: %s", type(e).__name__,
