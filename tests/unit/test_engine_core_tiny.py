@@ -181,26 +181,34 @@ def test_invalid_requests(model, ids, params, message):
 def test_compiled_decode_step_gives_the_eager_tokens(model):
     """The compiled decode graph (one graph for every batch size and context length, padded rows on the scratch
     block) against eager PyTorch on the same requests: 1 then 6 at once, contexts crossing many blocks, prefills
-    joining mid-decode. The tiny model's logits are far apart, so greedy tokens must be equal. Steps call the
-    graph directly (DirectCall); the guarded torch.compile call, used when that cannot be set up, is checked too."""
+    joining mid-decode. The tiny model's logits are far apart, so greedy tokens must be equal. Up to 3 rows run
+    the serial-kernel graph here, more the parallel one, so a request's tokens cross both. Steps call the graphs
+    directly (DirectCall); the guarded torch.compile call, used when that cannot be set up, is checked too."""
     requests = [(f"r{i}", prompt(i, 3 + 5 * i), greedy(max_tokens=20 + 3 * i)) for i in range(6)]
     compiled_core = engine(model, enforce_eager=False)
     compiled = compiled_core.runner.compiled
-    assert compiled is not None and compiled.direct is not None
+    assert compiled is not None and all(graph.direct is not None for graph in compiled.graphs)
+    compiled.serial_max_rows = 3
+    calls = lambda: [graph.direct.num_calls for graph in compiled.graphs]  # noqa: E731
+    before = calls()
     alone = solo(model, "r0", *requests[0][1:])
     assert tokens(run(compiled_core, requests[:1])) == {"r0": alone}
     assert tokens(run(compiled_core, requests)) == tokens(run(engine(model), requests))
+    assert all(after > n for after, n in zip(calls(), before))  # both graphs ran
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(3 - threads if threads <= 2 else 1)  # as the engine does with load (threads.py)
         assert tokens(run(compiled_core, requests[:2])) == tokens(run(engine(model), requests[:2]))
     finally:
         torch.set_num_threads(threads)
-    direct, compiled.direct = compiled.direct, None
+    directs = [graph.direct for graph in compiled.graphs]
     try:
-        assert tokens(run(compiled_core, requests[:3])) == tokens(run(engine(model), requests[:3]))
+        for graph in compiled.graphs:
+            graph.direct = None
+        assert tokens(run(compiled_core, requests[:5])) == tokens(run(engine(model), requests[:5]))
     finally:
-        compiled.direct = direct
+        for graph, direct in zip(compiled.graphs, directs):
+            graph.direct = direct
     assert compiled.num_calls > 0 and compiled.num_fallbacks == 0
 
 

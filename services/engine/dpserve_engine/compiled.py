@@ -4,13 +4,19 @@ Why: at batch 1 a decode step is ~1000 small ops, and eager PyTorch spends ~40% 
 (docs/benchmarks.md). Compiled, the norms, RoPE, cache writes and activations become a few fused C++ loops
 between the int4 matmul calls and the attention op: ~30-40% less time per step at batch 1 and 16 here.
 
-One graph for every step. Two sizes change from step to step: the number of decodes D and the block-table width
-nb. Both are dynamic dimensions of the one graph; inputs are padded to at least 2 rows and 2 blocks (padding rows
-write to and read from a scratch block of the KV cache), so neither is ever the 0 or 1 that torch specializes
-on. The same graph for batch 1 as for batch 64 keeps a request's tokens independent of its batch: every decode
-row of every step goes through it (model_runner.py runs prefill rows through the eager forward beside it). It is
-compiled by `warm_up()` at start-up, so no request waits; a call that would need another graph is refused
-(`fail_on_recompile`) and that step runs eagerly (`num_fallbacks`; none is expected).
+One graph for every step size, compiled twice. Two sizes change from step to step: the number of decodes D and
+the block-table width nb. Both are dynamic dimensions of the graph; inputs are padded to at least 2 rows and 2
+blocks (padding rows write to and read from a scratch block of the KV cache), so neither is ever the 0 or 1 that
+torch specializes on. The two compiles differ only in how their fused kernels (norms, RoPE, cache writes,
+activations) use threads: steps of up to `serial_max_rows` rows run a graph whose fused kernels are plain loops,
+larger steps one whose kernels are OpenMP regions. A step of a few rows has ~150 such kernels of a few hundred
+elements each, and entering and leaving a parallel region with its barriers costs more than the work (~0.3-0.6
+ms a step at batch 1 here, paired); at batch 64 the parallel kernels are ~3 % faster on two threads, and more
+with more cores. Both give a row the same bits (each row's reductions run on one thread either way), and every
+decode row of every step goes through one of them, which keeps a request's tokens independent of its batch
+(model_runner.py runs prefill rows through the eager forward beside them). They are compiled by `warm_up()` at
+start-up, so no request waits; a call that would need another graph is refused (`fail_on_recompile`) and that
+step runs eagerly (`num_fallbacks`; none is expected).
 
 Padding rows cost nothing in the matmuls: the int4 matmuls, most of a small step's time, run on the first
 `num_rows` rows only (the real decodes) and give zeros for the rest. The row count is read inside the graph from
@@ -42,8 +48,8 @@ Numerics: fused kernels sum in another order than eager PyTorch, so logits diffe
 near-tied greedy choice can differ from the eager path's (measured: as close to the fp32 reference as eager
 int4 is; docs/benchmarks.md).
 
-Cost: the first compile takes one to two minutes on 2 cores; inductor caches what it builds under
-`<cache_dir>/inductor` (core.py sets TORCHINDUCTOR_CACHE_DIR unless it is set) and later starts take seconds.
+Cost: the first compile of the two graphs takes one to three minutes on 2 cores (97 s measured); inductor caches
+what it builds under `<cache_dir>/inductor` (core.py sets TORCHINDUCTOR_CACHE_DIR unless it is set) and later starts take seconds.
 `--enforce-eager` skips all of this. Only on CPU: the CUDA path has not been run here.
 """
 
@@ -75,55 +81,77 @@ def _guard_filter(entries: list) -> list[bool]:
     ]
 
 
+class _Graph:
+    """One torch.compile of the decode step, and its direct call once warm_up() has recorded one."""
+
+    def __init__(self, name: str, model: Transformer, kv_caches: list[tuple[Tensor, Tensor]], options: dict):
+        self.name = name
+        self.kv_caches = kv_caches
+        self._fn = torch.compile(model.decode, fullgraph=True, dynamic=False, options=options)
+        self.direct: DirectCall | None = None
+
+    def __call__(self, inputs: DecodeInputs) -> Tensor:
+        for t in (inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_table):
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(inputs.block_table, 1)
+        return self._fn(inputs, self.kv_caches)
+
+
 class CompiledDecode:
     # Inputs are padded to at least this many rows and blocks (see the module docstring)
     min_rows = 2
     min_blocks = 2
+    # Steps of at most this many rows run the graph whose fused kernels are serial (see the module docstring)
+    serial_max_rows = 8
 
     def __init__(self, model: Transformer, kv_caches: list[tuple[Tensor, Tensor]], cache_dir: str):
-        import torch._inductor.config as inductor_config
-
         kernels.load(cache_dir)  # torch.ops.dpserve.paged_decode_attention, which Transformer.decode calls
 
-        # Kernels read the thread count at run time: the engine changes it with load (threads.py).
-        inductor_config.cpp.dynamic_threads = True
         # The number of real rows is read with .item() inside the graph (see the module docstring).
         torch._dynamo.config.capture_scalar_outputs = True
-        self.kv_caches = kv_caches
-        self._fn = torch.compile(
-            model.decode,
-            fullgraph=True,
-            dynamic=False,
-            options={"guard_filter_fn": _guard_filter, "cpp_wrapper": True, "cpp_wrapper_build_separate": True},
-        )
-        self.direct: DirectCall | None = None  # set by warm_up()
+        options = {"guard_filter_fn": _guard_filter, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+        # Small steps: fused kernels without OpenMP regions (cpp.threads=1). Large steps: parallel kernels that
+        # read the thread count at run time, since the engine changes it with load (threads.py).
+        self.serial = _Graph("serial", model, kv_caches, {**options, "cpp.threads": 1, "cpp.dynamic_threads": False})
+        self.parallel = _Graph("parallel", model, kv_caches, {**options, "cpp.dynamic_threads": True})
         self.num_calls = 0
         self.num_fallbacks = 0
 
+    @property
+    def graphs(self) -> tuple[_Graph, _Graph]:
+        return self.serial, self.parallel
+
+    def graph_for(self, rows: int) -> _Graph:
+        return self.serial if rows <= self.serial_max_rows else self.parallel
+
     def warm_up(self, prepare: Callable[[int, int], DecodeInputs]) -> None:
-        """Compile, on padding rows only (they touch only the scratch block); then set up the direct call.
-        `prepare(rows, blocks)` gives such inputs of that many rows and blocks."""
+        """Compile both graphs, on padding rows only (they touch only the scratch block); then set up their
+        direct calls. `prepare(rows, blocks)` gives such inputs of that many rows and blocks."""
         started = time.monotonic()
-        logger.info("compiling the decode step (one to two minutes on a first start; cached after)")
-        self._call(prepare(self.min_rows, self.min_blocks))
+        logger.info("compiling the decode step (two graphs; one to three minutes on a first start, cached after)")
+        for graph in self.graphs:
+            graph(prepare(self.min_rows, self.min_blocks))
         logger.info("decode step compiled in %.1f s", time.monotonic() - started)
-        try:
-            self.direct = DirectCall.capture(self, prepare)
-        except DirectCallUnavailable as e:
-            logger.warning("decode step: no direct call (%s); every step goes through torch.compile's guards", e)
+        for graph in self.graphs:
+            try:
+                graph.direct = DirectCall.capture(lambda inputs: self._guarded_call(inputs, graph), prepare)
+            except DirectCallUnavailable as e:
+                logger.warning("decode step (%s graph): no direct call (%s); its steps go through torch.compile's "
+                               "guards", graph.name, e)
 
     def __call__(self, inputs: DecodeInputs) -> Tensor | None:
         """Final hidden states [rows, dim], or None when these inputs have no compiled graph (run eagerly)."""
         self.num_calls += 1
         rows, blocks = inputs.block_table.shape
-        if self.direct is not None and rows >= self.min_rows and blocks >= self.min_blocks:
-            return self.direct(inputs, rows, blocks)
-        return self._guarded_call(inputs)
+        graph = self.graph_for(rows)
+        if graph.direct is not None and rows >= self.min_rows and blocks >= self.min_blocks:
+            return graph.direct(inputs, rows, blocks)
+        return self._guarded_call(inputs, graph)
 
-    def _guarded_call(self, inputs: DecodeInputs) -> Tensor | None:
+    def _guarded_call(self, inputs: DecodeInputs, graph: _Graph) -> Tensor | None:
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                return self._call(inputs)
+                return graph(inputs)
         except RuntimeError as e:  # the stance's refusal is a plain RuntimeError
             if "recompile" not in str(e):
                 raise
@@ -132,12 +160,6 @@ class CompiledDecode:
                 logger.warning("a decode step of shape %s has no compiled graph: running it eagerly",
                                tuple(inputs.block_table.shape))
             return None
-
-    def _call(self, inputs: DecodeInputs) -> Tensor:
-        for t in (inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_table):
-            torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(inputs.block_table, 1)
-        return self._fn(inputs, self.kv_caches)
 
 
 class DirectCallUnavailable(Exception):
@@ -169,8 +191,10 @@ class DirectCall:
         self._tensor_slots = tensor_slots  # (flat index, DecodeInputs field index)
         self._row_slots = row_slots
         self._block_slots = block_slots
+        self.num_calls = 0
 
     def __call__(self, inputs: DecodeInputs, rows: int, blocks: int) -> Tensor:
+        self.num_calls += 1
         args = list(self._template)
         for i, field in self._tensor_slots:
             args[i] = inputs[field]
@@ -181,9 +205,11 @@ class DirectCall:
         return self._fn(args)[0]
 
     @classmethod
-    def capture(cls, compiled: CompiledDecode, prepare: Callable[[int, int], DecodeInputs]) -> DirectCall:
+    def capture(cls, guarded: Callable[[DecodeInputs], Tensor | None],
+                prepare: Callable[[int, int], DecodeInputs]) -> DirectCall:
+        """`guarded(inputs)`: the graph's call through torch.compile, which must not compile anything new."""
         (a, fn_a, flat_a, out_a), (b, fn_b, flat_b, out_b) = (
-            cls._record(compiled, prepare(rows, blocks)) for rows, blocks in ((3, 5), (4, 7))
+            cls._record(guarded, prepare(rows, blocks)) for rows, blocks in ((3, 5), (4, 7))
         )
         if fn_a is not fn_b or len(flat_a) != len(flat_b):
             raise DirectCallUnavailable("the two calls ran different graphs")
@@ -208,7 +234,7 @@ class DirectCall:
         return direct
 
     @staticmethod
-    def _record(compiled: CompiledDecode, inputs: DecodeInputs):
+    def _record(guarded: Callable[[DecodeInputs], Tensor | None], inputs: DecodeInputs):
         """One guarded call of `inputs`, with the graph's entry point and the flat inputs it was given."""
         from torch._inductor.output_code import CompiledFxGraph
 
@@ -221,7 +247,7 @@ class DirectCall:
 
         CompiledFxGraph.__call__ = record
         try:
-            out = compiled._guarded_call(inputs)
+            out = guarded(inputs)
         finally:
             CompiledFxGraph.__call__ = original
         if out is None or len(seen) != 1:
