@@ -226,3 +226,21 @@ def test_engine_serves_eagerly_when_the_decode_step_cannot_compile(model, caplog
     assert "compiling the decode step failed" in caplog.text
     request = ("a", prompt(1), greedy())
     assert tokens(run(core, [request])) == {"a": solo(model, *request)}
+
+
+def test_layer_stacks_hold_each_layer_tensor_once():
+    """The compiled step reads the per-layer weights from one stack per name; the modules' own tensors become
+    views of those stacks (same values, same memory), so the eager path and the graph share one copy."""
+    from dpserve_engine.compiled import LayerStacks
+
+    model = build_model(ARGS, None, Precision.fp32(), torch.device("cpu"))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    layers = LayerStacks(model)
+    per_layer = {name for name in before if name.startswith("layers.")}
+    assert {name.removeprefix("model.") for name in layers.where} == per_layer
+    assert len(layers.stacks) == len(per_layer) // ARGS.n_layers
+    after = model.state_dict()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    for name, (s, i) in layers.where.items():
+        tensor = after[name.removeprefix("model.")]
+        assert tensor.data_ptr() == layers.stacks[s][i].data_ptr()

@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dpserve_engine import kernels
 from dpserve_engine.model import DecodeInputs, Transformer
@@ -81,20 +81,76 @@ def _guard_filter(entries: list) -> list[bool]:
     ]
 
 
+class LayerStacks:
+    """The decode step's per-layer tensors as one [n_layers, ...] tensor per name, and the step as a function of
+    them (`decode`), which takes each layer's tensor as a view of its stack inside the graph.
+
+    Why: every tensor the graph reads is one of its flat inputs, and each input costs on every call (a tensor
+    handle made and freed, a size check). Read from the modules, the weights alone are ~300 inputs; stacked, ~10
+    (of ~80 in all with the KV caches): ~0.6 ms less per step at batch 1 here (paired). The modules' own tensors
+    are made views of the stacks, so the eager path reads the same memory and nothing is held twice. Tensors that
+    only the prefill path reads (a module's `prefill_only` names) are left alone.
+    """
+
+    def __init__(self, model: Transformer):
+        self._module = _DecodeModule(model)
+        self.stacks: list[Tensor] = []
+        self.where: dict[str, tuple[int, int]] = {}  # name in the model -> (stack, layer)
+        groups: dict[str, list[tuple[nn.Module, str, str]]] = {}
+        for name, module in model.named_modules():
+            parts = name.split(".")
+            if len(parts) < 2 or parts[0] != "layers":
+                continue
+            skip = getattr(module, "prefill_only", ())
+            for attr, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                if tensor is not None and attr not in skip:
+                    key = ".".join(parts[2:] + [attr])  # the name without the layer index
+                    groups.setdefault(key, []).append((module, attr, f"{name}.{attr}"))
+        with torch.inference_mode(False), torch.no_grad():
+            for members in groups.values():
+                tensors = [getattr(module, attr) for module, attr, _ in members]
+                if len(members) < 2 or any(t.shape != tensors[0].shape or t.dtype != tensors[0].dtype for t in tensors):
+                    continue
+                stack = torch.stack([t.detach() for t in tensors])
+                for i, (module, attr, full_name) in enumerate(members):
+                    if attr in module._parameters:
+                        module._parameters[attr] = nn.Parameter(stack[i], requires_grad=False)
+                    else:
+                        module._buffers[attr] = stack[i]
+                    self.where[f"model.{full_name}"] = (len(self.stacks), i)  # as _DecodeModule names it
+                self.stacks.append(stack)
+
+    def decode(self, inputs: DecodeInputs, kv_caches: list[tuple[Tensor, Tensor]], stacks: list[Tensor]) -> Tensor:
+        tensors = {name: stacks[s][i] for name, (s, i) in self.where.items()}
+        return torch.func.functional_call(self._module, tensors, (inputs, kv_caches), strict=False)
+
+
+class _DecodeModule(nn.Module):
+    """`Transformer.decode` as a module's forward, which is what functional_call runs."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: DecodeInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        return self.model.decode(inputs, kv_caches)
+
+
 class _Graph:
     """One torch.compile of the decode step, and its direct call once warm_up() has recorded one."""
 
-    def __init__(self, name: str, model: Transformer, kv_caches: list[tuple[Tensor, Tensor]], options: dict):
+    def __init__(self, name: str, layers: LayerStacks, kv_caches: list[tuple[Tensor, Tensor]], options: dict):
         self.name = name
         self.kv_caches = kv_caches
-        self._fn = torch.compile(model.decode, fullgraph=True, dynamic=False, options=options)
+        self.stacks = layers.stacks
+        self._fn = torch.compile(layers.decode, fullgraph=True, dynamic=False, options=options)
         self.direct: DirectCall | None = None
 
     def __call__(self, inputs: DecodeInputs) -> Tensor:
         for t in (inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_table):
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(inputs.block_table, 1)
-        return self._fn(inputs, self.kv_caches)
+        return self._fn(inputs, self.kv_caches, self.stacks)
 
 
 class CompiledDecode:
@@ -112,8 +168,9 @@ class CompiledDecode:
         options = {"guard_filter_fn": _guard_filter, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
         # Small steps: fused kernels without OpenMP regions (cpp.threads=1). Large steps: parallel kernels that
         # read the thread count at run time, since the engine changes it with load (threads.py).
-        self.serial = _Graph("serial", model, kv_caches, {**options, "cpp.threads": 1, "cpp.dynamic_threads": False})
-        self.parallel = _Graph("parallel", model, kv_caches, {**options, "cpp.dynamic_threads": True})
+        layers = LayerStacks(model)
+        self.serial = _Graph("serial", layers, kv_caches, {**options, "cpp.threads": 1, "cpp.dynamic_threads": False})
+        self.parallel = _Graph("parallel", layers, kv_caches, {**options, "cpp.dynamic_threads": True})
         self.num_calls = 0
         self.num_fallbacks = 0
 

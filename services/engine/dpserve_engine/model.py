@@ -129,6 +129,7 @@ class Int4Linear(nn.Module):
     """
 
     group_size = 32
+    prefill_only = ("dense",)  # not read by decode(): compiled.LayerStacks leaves it out
 
     def __init__(self, q: Tensor, d: Tensor, m: Tensor, split: RowSplit):
         super().__init__()
