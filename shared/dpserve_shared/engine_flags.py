@@ -51,7 +51,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "--enforce-eager", "switch",
         "eager PyTorch only; default: compile the decode step and build its C++ attention op at start-up on CPU "
-        "(one to two minutes the first time, cached under ~/.cache/dpserve after)",
+        "(one to three minutes the first time, cached under ~/.cache/dpserve after)",
     ),
     EngineFlag("--null-engine", "switch", "no model: tokens on a fixed step time (benchmarks, simulation)"),
     EngineFlag("--null-step-time-ms", float, "the null engine's step time"),

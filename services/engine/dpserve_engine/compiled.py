@@ -1,4 +1,4 @@
-"""The decode step as one torch.compile (inductor) graph: `Transformer.decode` over the paged KV cache.
+"""The decode step as a torch.compile (inductor) graph: `Transformer.decode` over the paged KV cache.
 
 Why: at batch 1 a decode step is ~1000 small ops, and eager PyTorch spends ~40% of the step dispatching them
 (docs/benchmarks.md). Compiled, the norms, RoPE, cache writes and activations become a few fused C++ loops
@@ -42,15 +42,16 @@ guarded call.
 
 Steps skip even those: once compiled, `DirectCall` calls the graph's C++ entry point with the flat input list
 it recorded at warm-up (~0.9 ms less per step at batch 1, paired). The guarded call stays for what the direct
-call cannot take (fewer rows or blocks than the minimum), and for all steps if the recording fails.
+call cannot take (fewer rows or blocks than the minimum), and for all steps if the recording fails. The flat
+list is short because the weights come in stacked (`LayerStacks`: one tensor per name for all 30 layers).
 
 Numerics: fused kernels sum in another order than eager PyTorch, so logits differ in the last bits and a
 near-tied greedy choice can differ from the eager path's (measured: as close to the fp32 reference as eager
 int4 is; docs/benchmarks.md).
 
 Cost: the first compile of the two graphs takes one to three minutes on 2 cores (97 s measured); inductor caches
-what it builds under `<cache_dir>/inductor` (core.py sets TORCHINDUCTOR_CACHE_DIR unless it is set) and later starts take seconds.
-`--enforce-eager` skips all of this. Only on CPU: the CUDA path has not been run here.
+what it builds under `<cache_dir>/inductor` (core.py sets TORCHINDUCTOR_CACHE_DIR unless it is set) and later
+starts take seconds. `--enforce-eager` skips all of this. Only on CPU: the CUDA path has not been run here.
 """
 
 from __future__ import annotations
