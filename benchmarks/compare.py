@@ -469,25 +469,38 @@ def llama_cpp(opts, results: dict) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def machine() -> str:
-    cpu = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+def machine_record() -> dict:
+    """The CPU (model, torch's capability, the flags that pick kernels) and the kernel path engines choose on it
+    by default (dpserve_engine.cpu_paths; a measured choice read from the engines' cache when there is one)."""
+    from dpserve_engine import cpu_paths
+    from dpserve_engine.config import EngineConfig
+
+    cpu = cpu_paths.detect()
+    cache = os.path.join(EngineConfig().cache_dir, "cpu-paths.json")
+    return {**cpu.describe(), "kernel_path": cpu_paths.choose(cpu, cache_file=cache).describe(),
+            "python": platform.python_version(), "torch": torch_version()}  # fmt: skip
+
+
+def torch_version() -> str:
     try:
         import torch
 
-        tv = torch.__version__
+        return torch.__version__
     except ImportError:
-        tv = "-"
-    return f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, torch {tv}"
+        return "-"
+
+
+def machine(record: dict | None = None) -> str:
+    m = record or machine_record()
+    path = m["kernel_path"]
+    return (f"{m['num_cpus']} CPUs ({m['cpu_model']}; torch capability {m['torch_capability']}; flags "
+            f"{' '.join(m['flags']) or 'none of note'}), kernel path {path['path']} (decode {path['decode']}, "
+            f"prefill {path['prefill']}, LM head {path['head']}), Python {m['python']}, torch {m['torch']}")
 
 
 def markdown(results: dict, command: str) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"### {now}: comparisons (benchmarks/compare.py)", "", f"- machine: {machine()}",
+    lines = [f"### {now}: comparisons (benchmarks/compare.py)", "", f"- machine: {machine(results.get('machine'))}",
              f"- command: `{command}`", ""]  # fmt: skip
     lines += ["| ratio | A | B | A / B | target |", "| --- | --- | --- | --- | --- |"]
     if "serving_overhead" in results:
@@ -516,7 +529,7 @@ def markdown(results: dict, command: str) -> str:
                          f"| {y['ratio']:.3f} | {y['target']} |")  # fmt: skip
     lines.append("")
     for key, x in results.items():
-        if key == "errors":
+        if key in ("errors", "machine"):
             continue
         if key == "llama_cpp":
             lines.append(f"- llama_cpp: {x['setup']}; per round: " + "; ".join(
@@ -572,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-append", action="store_true", help="do not append to docs/benchmarks.md")
     opts = p.parse_args(argv)
     todo = opts.only or ["overhead", "dp", "frontend"]
-    results: dict = {"errors": []}
+    results: dict = {"errors": [], "machine": machine_record()}
     steps = {"overhead": serving_overhead, "dp": dp_scaling, "frontend": frontend_ceiling, "llama": llama_cpp}
     for name in todo:
         try:

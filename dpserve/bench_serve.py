@@ -799,6 +799,7 @@ async def _amain(args) -> dict:
         "base_url": args.base_url,
         "endpoint": args.endpoint,
         "model": model,
+        "machine": machine(),
         "config": {
             "input_len": args.input_len,
             "output_len": args.output_len,
@@ -853,6 +854,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_png)), exist_ok=True)
         write_png(args.output_png, report["levels"], args.label or f"{report['model']} @ {args.base_url}")
     return 0 if all(lv["completed"] > 0 for lv in report["levels"]) else 1
+
+
+def machine() -> dict:
+    """The CPU this client ran on (for a local server, the server's too), its relevant flags and the kernel path
+    an engine picks on it by default (dpserve_engine.cpu_paths)."""
+    from dpserve_engine import cpu_paths
+
+    cpu = cpu_paths.detect()
+    return {**cpu.describe(), "default_kernel_path": cpu_paths.choose(cpu).describe()}
 
 
 if __name__ == "__main__":

@@ -252,6 +252,15 @@ class ServeFactory:
 
 
 @pytest.fixture(scope="session")
+def engine_cache_dir() -> str:
+    """The engines' own cache dir (~/.cache/dpserve unless DPSERVE_CACHE_DIR): the C++ kernels built there once
+    per machine serve in-process tests and every engine the tests start."""
+    from dpserve_engine.config import EngineConfig
+
+    return EngineConfig().cache_dir
+
+
+@pytest.fixture(scope="session")
 def serve_factory(tmp_path_factory):
     """Starts (or reuses) one `dpserve serve`; on teardown asserts nothing it started is left running."""
     had_ray_home = os.path.exists(os.path.expanduser("~/.ray"))

@@ -44,9 +44,11 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     ),
     EngineFlag(
         "--quantization", str,
-        "auto: int4 for a GGUF model on CPU, else none; int4: the GGUF's 4-bit linear weights in torch's int4 CPU "
-        "kernel and an int8/bf16 LM head rescored in fp32; none: dequantized weights in --dtype",
-        ("auto", "int4", "none"),
+        "how the GGUF's 4-bit weights run on CPU. auto: chosen for the CPU (logged): q4 without bf16 in hardware, "
+        "int4 with it; q4: the engine's grouped kernels on fp32 activations, fp32 prefill copies, Q8_0 LM head; "
+        "int4: torch's int4 kernel on bf16 activations, bf16 prefill copies, int8/bf16 LM head rescored in fp32; "
+        "none: dequantized weights in --dtype",
+        ("auto", "q4", "int4", "none"),
     ),
     EngineFlag(
         "--enforce-eager", "switch",

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 from dpserve_engine.config import EngineConfig
 from dpserve_engine.core import EngineCore, load_model
 from dpserve_engine.model import Precision
+from dpserve_engine.tokenizer import load_model_info
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,15 +22,19 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def core():
+@pytest.fixture(scope="module", params=["auto", "q4", "int4"])
+def core(request):
+    """auto: the production path chosen for this machine's CPU; then each kernel path forced (cpu_paths.py),
+    since every one of them runs on any x86 CPU (int4's bf16 emulated where it is not in hardware)."""
     torch.set_num_threads(2)
-    return EngineCore(EngineConfig())  # the production precision of this machine's device
+    core = EngineCore(EngineConfig(quantization=request.param))
+    assert core.runner.model.kernel_paths.path in ("q4", "int4")
+    return core
 
 
 @pytest.fixture(scope="module")
-def chat(core):
-    info = core.model_info
+def chat():
+    info = load_model_info(EngineConfig())
     tokenizer = Tokenizer.from_str(info.tokenizer_json)
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     template = env.from_string(info.chat_template)
@@ -72,7 +77,7 @@ def test_production_precision_matches_fp32_greedy(core, chat):
     assert generate(reference, prompts, 32) == production
 
 
-def test_dequantized_fp32_answers_the_capital_of_france(core, chat):
+def test_dequantized_fp32_answers_the_capital_of_france(chat):
     """quantization="none": the GGUF dequantized to fp32 (the reference above, as an engine of its own)."""
     dequantized = EngineCore(EngineConfig(device="cpu", quantization="none", num_kv_blocks=64))
     tokens = generate(dequantized, {"france": chat(PROMPTS[0])}, 24)["france"]

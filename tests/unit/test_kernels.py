@@ -9,8 +9,8 @@ from dpserve_engine import kernels
 
 
 @pytest.fixture(scope="module")
-def op(tmp_path_factory):
-    kernels.load(str(tmp_path_factory.mktemp("cache")))  # built here (a few seconds), as an engine does on start
+def op(engine_cache_dir):
+    kernels.load(engine_cache_dir)  # built once per machine (~20 s), as an engine does on its first start
     return torch.ops.dpserve.paged_decode_attention
 
 

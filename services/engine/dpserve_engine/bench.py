@@ -11,12 +11,14 @@ nothing on top of the forward); printed last.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import torch
 from dpserve_shared.schema import EngineRequest, SamplingParams
 
+from dpserve_engine import cpu_paths
 from dpserve_engine.config import EngineConfig
 from dpserve_engine.core import EngineCore
 from dpserve_engine.scheduler import ScheduledBatch
@@ -26,7 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dpserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "q4", "int4", "none"])
     p.add_argument("--device", default=None)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -34,6 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="steps per A or B round")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="eager PyTorch: no compiled decode step")
+    p.add_argument("--output-json", default=None, help="write the machine, the kernel paths and the result here")
     return p.parse_args(argv)
 
 
@@ -88,8 +91,11 @@ def main(argv: list[str] | None = None) -> float:
     )
     core = EngineCore(config)
     max_tokens = (args.rounds + 1) * args.steps + 8
-    print(f"model={config.model} device={core.runner.device} quantization={config.resolved_quantization(core.runner.device.type)} "
-          f"precision={core.runner.model.prec} "
+    machine = cpu_paths.detect().describe()
+    paths = core.runner.model.kernel_paths
+    print(f"cpu={machine['cpu_model']!r} torch_capability={machine['torch_capability']} "
+          f"flags={','.join(machine['flags']) or '-'} kernel_path={paths.path if paths else None}")
+    print(f"model={config.model} device={core.runner.device} precision={core.runner.model.prec} "
           f"threads={torch.get_num_threads()} batch={args.batch} compiled={core.runner.compiled is not None}")
     start_requests(core, args.batch, args.prompt_len, max_tokens)
     assert len(core.scheduler.running) == args.batch, "the batch does not fit: raise kv_cache_memory_gib"
@@ -110,6 +116,11 @@ def main(argv: list[str] | None = None) -> float:
         for i in range(0, len(engine_s), args.steps)
     )
     print(f"engine_efficiency={efficiency:.3f}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"machine": machine, "kernel_paths": paths.describe() if paths else None, "batch": args.batch,
+                       "threads": torch.get_num_threads(), "compiled": core.runner.compiled is not None,
+                       "engine_ms": a * 1e3, "forward_ms": b * 1e3, "engine_efficiency": efficiency}, f, indent=1)
     return efficiency
 
 

@@ -26,9 +26,11 @@ class EngineConfig:
     # LM head (~1.45x faster decode at batch 64, but measured to change 1-2 of 5 greedy answers and to make greedy
     # output depend on the batch; docs/benchmarks.md); "float32" everywhere.
     dtype: str = "auto"
-    # "int4": the GGUF's Q4_1 linear weights run as torch's CPU int4 kernel (groups repacked, not requantized)
-    # and the LM head on int8/bf16 copies with its best candidates rescored in fp32 (greedy = fp32 head).
-    # "auto" (default): int4 for a GGUF file on CPU, else none. None / "none": dequantized weights in `dtype`.
+    # How a GGUF's Q4_1 linear weights run on CPU (cpu_paths.py): "int4" torch's int4 kernel (bf16 activations),
+    # bf16 hi+lo prefill copies and an int8/bf16 LM head rescored in fp32 (for CPUs with bf16 in hardware); "q4"
+    # the engine's grouped kernels with fp32 activations, fp32 prefill copies and the Q8_0 head in the grouped
+    # kernel (for CPUs that emulate bf16); "auto" (default): chosen for the CPU, GGUF on CPU only, else none.
+    # None / "none": dequantized weights in `dtype`.
     quantization: str | None = "auto"
 
     # False (default): compile the decode step at start-up on CPU (compiled.py); True: eager PyTorch only (vLLM's
@@ -36,6 +38,10 @@ class EngineConfig:
     enforce_eager: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("DPSERVE_ENFORCE_EAGER", "") not in ("", "0")
     )
+    # True: the decode step compiles (or loads from the inductor cache) in a background thread while the rank
+    # already serves through eager PyTorch, switching over once done (the engine service); False: EngineCore's
+    # constructor returns with it compiled (tests, benchmarks).
+    compile_in_background: bool = False
     null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
     null_step_time_s: float = 0.0
     cache_dir: str = dataclasses.field(
@@ -45,7 +51,8 @@ class EngineConfig:
     )
 
     def resolved_quantization(self, device_type: str) -> str | None:
-        """"auto" -> "int4" for a GGUF model on CPU, else None; other values as given ("none" -> None)."""
+        """None: dequantized weights. "int4" / "q4": the GGUF's groups on that kernel path, as given. "auto": a
+        GGUF model on CPU, on the path cpu_paths.py chooses for the CPU (None for anything else)."""
         if self.quantization in (None, "none"):
             return None
         if self.quantization != "auto":
@@ -54,4 +61,4 @@ class EngineConfig:
             return None
         from dpserve_engine.tokenizer import resolve_model_path
 
-        return "int4" if resolve_model_path(self.model).endswith(".gguf") else None
+        return "auto" if resolve_model_path(self.model).endswith(".gguf") else None

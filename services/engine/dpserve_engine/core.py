@@ -54,7 +54,7 @@ class EngineCore(EngineCoreBase):
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_blocks_total, config.block_size, model_info.eos_token_ids)
         if not config.enforce_eager and self.runner.device.type == "cpu":
-            self.runner.compile_decode(config.cache_dir)
+            self.runner.compile_decode(config.cache_dir, background=config.compile_in_background)
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.num_arrivals = 0
@@ -213,13 +213,36 @@ def load_model(config: EngineConfig, precision: Precision | None = None) -> Tran
     device = pick_device(config)
     quantization = config.resolved_quantization(device.type)
     if quantization and device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r} uses torch's CPU int4 kernel; device is {device}")
-    args, state = load_weights(config.model, config.cache_dir, quantization)
+        raise ValueError(f"quantization={quantization!r} runs CPU kernels; device is {device}")
+    paths = choose_kernel_paths(config, quantization) if quantization else None
+    path = paths.path if paths else None
+    args, state = load_weights(config.model, config.cache_dir, "int4" if path else None)  # "int4": Q4_1 groups
     prec = precision or Precision.for_device(device, config.dtype)
-    if quantization:
+    if path:
         prec = Precision(torch.bfloat16, prec.act, prec.kv, prec.head)  # bf16: only placeholders before repacking
-    logger.info("building model on %s: weights %s, activations %s", device, quantization or prec.weight, prec.act)
-    model = build_model(args, state, prec, device)
-    if quantization:
-        model.quantize_head()  # int8/bf16 LM head, best candidates rescored in fp32
+    logger.info("building model on %s: weights %s, activations %s", device, path or prec.weight, prec.act)
+    model = build_model(args, state, prec, device, path or "int4")
+    if path:
+        logger.info("LM head: %s", model.quantize_head(path))
+    model.kernel_paths = paths  # for benchmarks' records
     return model
+
+
+def choose_kernel_paths(config: EngineConfig, quantization: str):
+    """The kernel path for GGUF groups on this CPU (cpu_paths.py), logged with the reason. Both paths use the
+    engine's C++ kernels (built here, cached); without a C++ compiler only torch's "int4" kernels can run."""
+    from dpserve_engine import cpu_paths, kernels
+
+    cpu = cpu_paths.detect()
+    try:
+        kernels.load(config.cache_dir)
+    except Exception as e:  # noqa: BLE001 - e.g. no compiler: torch's own kernels still run
+        chosen = cpu_paths.KernelPaths("int4", f"the engine's C++ kernels could not be built ({e})")
+    else:
+        forced = None if quantization == "auto" else quantization
+        cache_file = os.path.join(config.cache_dir, "cpu-paths.json")
+        chosen = cpu_paths.choose(cpu, forced, cpu_paths.decode_benchmark(), cache_file)
+    logger.info("CPU %s (torch %s; %s): kernel path %s, because %s: decode %s, prefill %s, LM head %s",
+                cpu.model_name, cpu.capability, " ".join(cpu.describe()["flags"]) or "no AVX2", chosen.path,
+                chosen.reason, chosen.decode, chosen.prefill, chosen.head)  # fmt: skip
+    return chosen

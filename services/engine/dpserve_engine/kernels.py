@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _lock = threading.Lock()
 _loaded: str | None = None  # the loaded library's path
 
@@ -48,7 +48,7 @@ def _flags() -> list[str]:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()
-    flags = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-Wno-unused-variable",
+    flags = ["-O3", "-std=c++20", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-Wno-unused-variable",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]  # fmt: skip
     if isa:  # e.g. CPU_CAPABILITY_AVX512 and its -m flags: what at::vec::Vectorized compiles to
         macros = isa.build_macro()
@@ -62,7 +62,7 @@ def _flags() -> list[str]:
 def _build(out_dir: Path) -> str:
     from torch.utils.cpp_extension import include_paths
 
-    source = _SOURCE.read_text()
+    source = "\n".join(p.read_text() for p in _SOURCES)
     cxx = os.environ.get("CXX", "g++")
     flags = _flags()
     key = hashlib.sha256("\n".join([source, torch.__version__, cxx, *flags]).encode()).hexdigest()[:16]
@@ -73,14 +73,14 @@ def _build(out_dir: Path) -> str:
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [cxx, *flags, str(_SOURCE), *(f"-I{p}" for p in include_paths()), f"-L{lib_dir}", "-lc10", "-ltorch_cpu",
+    cmd = [cxx, *flags, *map(str, _SOURCES), *(f"-I{p}" for p in include_paths()), f"-L{lib_dir}", "-lc10", "-ltorch_cpu",
            f"-Wl,-rpath,{lib_dir}", "-o", tmp]  # fmt: skip
     logger.info("building the engine's C++ kernels (once; cached in %s)", out_dir)
     started = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"building {_SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"building {', '.join(p.name for p in _SOURCES)} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -95,3 +95,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dpserve::paged_decode_attention")
     def _(q, k_cache, v_cache, block_table, positions, block_size, scale):
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("dpserve::q4_linear")
+    def _(x, qs, d, m):
+        return x.new_empty(x.shape[0], qs.shape[0])
+
+    @torch.library.register_fake("dpserve::q8_linear")
+    def _(x, qs, d):
+        return x.new_empty(x.shape[0], qs.shape[0])

@@ -111,60 +111,81 @@ class Linear(nn.Module):
 
 
 class RowSplit:
-    """Shared by a model's Int4Linear layers: how many leading rows of this step's token batch are decodes."""
+    """Shared by a model's GroupedLinear layers: how many leading rows of this step's token batch are decodes."""
 
     decode_rows: int = 0
 
 
-class Int4Linear(nn.Module):
-    """Weight-only int4 from GGUF Q4_1 groups (w = d * q + m, 32 weights a group), repacked, not requantized.
+class GroupedLinear(nn.Module):
+    """Weight-only 4-bit from GGUF Q4_1 groups (w = d * q + m, 32 weights a group), repacked, not requantized,
+    on one of two kernel paths (cpu_paths.py chooses for the CPU):
 
-    torch's CPU kernel computes (q - 8) * scale + zero per group, so scale = d and zero = m + 8 d reproduce the
-    file's weights (up to bf16 rounding of d and zero). x is cast to bf16 for the kernel; the output back.
+    - "int4": torch's CPU int4 kernel, which computes (q - 8) * scale + zero per group with bf16 scale = d and
+      zero = m + 8 d, on bf16 activations. Prefill rows go through a bf16 hi+lo copy of the same effective
+      weights (a bf16 GEMM is ~3x faster than the int4 kernel at 128 rows where bf16 is in hardware).
+    - "q4": the engine's grouped kernel (csrc/grouped_linear.cpp) on the file's nibbles with fp32 d and m and fp32
+      activations; prefill rows through an fp32 copy (MKL's sgemm). For CPUs that emulate bf16.
 
-    The kernel streams 4-bit weights: the fastest at a few rows (decode), but ~3x slower than a bf16 GEMM at a
-    prefill chunk's 128 rows on this CPU. So decode rows (`split.decode_rows`, the leading rows) go through the
-    int4 kernel and prefill rows through a bf16 copy of the same effective weights ((q - 8) * scale + zero).
+    Decode rows (`split.decode_rows`, the leading rows) take the 4-bit kernel and prefill rows the dense copy.
     Each kind of row always takes the same path, so a request's tokens do not depend on what it is batched with.
     """
 
     group_size = 32
     prefill_only = ("dense",)  # not read by decode(): compiled.LayerStacks leaves it out
 
-    def __init__(self, q: Tensor, d: Tensor, m: Tensor, split: RowSplit):
+    def __init__(self, q: Tensor, d: Tensor, m: Tensor, split: RowSplit, path: str = "int4", prefill_copy: bool = True):
         super().__init__()
         # q: [N, K] in 0..15; d, m: [N, K / 32]
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-        scales, zeros = d.bfloat16(), (m + 8 * d).bfloat16()
-        self.register_buffer("scales_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous())
-        groups = (q.float() - 8).view(q.shape[0], -1, self.group_size)
-        dense = (groups * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).view(q.shape)
-        hi = dense.bfloat16()
-        self.register_buffer("dense", torch.cat([hi, (dense - hi.float()).bfloat16()], dim=1))  # [N, 2K]
-        self.split = split
+        if path not in ("int4", "q4"):
+            raise ValueError(f"GroupedLinear path must be int4 or q4, got {path!r}")
+        self.path, self.split = path, split
+        self.in_features = q.shape[1]
+        groups = q.view(q.shape[0], -1, self.group_size)
+        if path == "int4":
+            q32 = q.to(torch.int32)
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, 1))
+            scales, zeros = d.bfloat16(), (m + 8 * d).bfloat16()
+            self.register_buffer("scales_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous())
+            dense = ((groups.float() - 8) * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).view(q.shape)
+            hi = dense.bfloat16()
+            dense = torch.cat([hi, (dense - hi.float()).bfloat16()], dim=1)  # [N, 2K]
+        else:
+            nibbles = groups.to(torch.uint8)
+            self.register_buffer("qs", (nibbles[..., :16] | (nibbles[..., 16:] << 4)).view(q.shape[0], -1))
+            self.register_buffer("d", d.float().contiguous())
+            self.register_buffer("m", m.float().contiguous())
+            dense = (groups.float() * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)).view(q.shape)  # the file's w
+        self.register_buffer("dense", dense if prefill_copy else None)
 
     def forward(self, x: Tensor) -> Tensor:
-        xb = x.to(torch.bfloat16)
         n = self.split.decode_rows
         if n >= x.shape[0]:
-            y = self._int4(xb)
+            y = self._grouped(x)
         elif n == 0:
-            y = self._dense(xb)
+            y = self._dense(x)
         else:
-            y = torch.cat([self._int4(xb[:n]), self._dense(xb[n:])])
+            y = torch.cat([self._grouped(x[:n]), self._dense(x[n:])])
         return y.to(x.dtype)
 
     def decode(self, x: Tensor, rows: int) -> Tensor:
-        """Every row a decode (the compiled decode step): the int4 kernel on the first `rows` rows, zeros for
+        """Every row a decode (the compiled decode step): the 4-bit kernel on the first `rows` rows, zeros for
         the padding rows after them; no branch on RowSplit."""
-        y = self._int4(x.narrow(0, 0, rows).to(torch.bfloat16))
+        y = self._grouped(x.narrow(0, 0, rows))
         return torch.cat([y, y.new_zeros(x.shape[0] - rows, y.shape[1])]).to(x.dtype)
 
-    def _dense(self, xb: Tensor) -> Tensor:
-        return F.linear(torch.cat([xb, xb], dim=1), self.dense)
+    def _dense(self, x: Tensor) -> Tensor:
+        if self.dense is None:  # built without a prefill copy (the kernel micro-benchmark)
+            return self._grouped(x)
+        if self.path == "int4":
+            xb = x.to(torch.bfloat16)
+            return F.linear(torch.cat([xb, xb], dim=1), self.dense)
+        return F.linear(x.float(), self.dense)
 
-    def _int4(self, xb: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_zeros)
+    def _grouped(self, x: Tensor) -> Tensor:
+        if self.path == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size,
+                                                             self.scales_zeros)  # fmt: skip
+        return torch.ops.dpserve.q4_linear(x.float(), self.qs, self.d, self.m)
 
 
 class FastHead(nn.Module):
@@ -172,38 +193,72 @@ class FastHead(nn.Module):
 
     A decode step at batch 1 spends ~7.5 ms here streaming the fp32 [V, dim] head. Small batches (<= 8 rows)
     use torch's int8 weight-only kernel (one scale per vocabulary row: 4x fewer bytes, ~1 ms); larger ones a
-    bf16 copy (that kernel is ~4x faster than int8's at 64 rows). Both move logits by ~1e-3 to 1e-2, enough to
-    swap near-tied greedy choices, so the `rescore` best entries of every row are recomputed from the fp32
-    weight and written back: greedy choices and the top logprobs are the fp32 head's; the tail is approximate.
+    bf16 copy (that kernel is ~4x faster than int8's at 64 rows) where bf16 is in hardware, else the fp32 head
+    itself. Both reduced copies move logits by ~1e-3 to 1e-2, enough to swap near-tied greedy choices, so the
+    `rescore` best entries of every row are recomputed from the fp32 weight and written back: greedy choices and
+    the top logprobs are the fp32 head's; the tail is approximate.
     """
 
     int8_max_rows = 8
 
-    def __init__(self, weight: Tensor, rescore: int = 8):
+    def __init__(self, weight: Tensor, rescore: int = 8, large_bf16: bool = True):
         super().__init__()
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.register_buffer("qweight", (weight / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scale.bfloat16())
-        self.register_buffer("weight_bf16", weight.bfloat16())
+        self.register_buffer("weight_bf16", weight.bfloat16() if large_bf16 else None)
         self.rescore = rescore
 
     def forward(self, h: Tensor, weight: Tensor) -> Tensor:
         """h: [N, dim]; weight: the fp32 [V, dim] head -> fp32 logits [N, V]."""
-        hb = h.bfloat16()
         if h.shape[0] <= self.int8_max_rows:
-            logits = torch._weight_int8pack_mm(hb, self.qweight, self.scales).float()
+            logits = torch._weight_int8pack_mm(h.bfloat16(), self.qweight, self.scales).float()
+        elif self.weight_bf16 is not None:
+            logits = F.linear(h.bfloat16(), self.weight_bf16).float()
         else:
-            logits = F.linear(hb, self.weight_bf16).float()
+            return F.linear(h.float(), weight)  # the fp32 head: nothing to rescore
         top = logits.topk(self.rescore, dim=-1, sorted=False).indices  # [N, k]
         exact = torch.bmm(weight[top], h.float().unsqueeze(2)).squeeze(2)  # [N, k]
         return logits.scatter_(1, top, exact)
 
 
-def fused_linear(state: dict[str, Tensor], names: list[str], linear: nn.Module, split: RowSplit) -> nn.Module:
-    """Fill `linear` with the row-concatenation of the named weights, or build an Int4Linear from their groups."""
+class GroupedHead(nn.Module):
+    """The LM head as Q8_0 groups (w = d * q, 32 weights a group) in the engine's grouped kernel, fp32
+    activations: 4x fewer bytes than the fp32 head and, for a GGUF Q8_0 embedding, the very same weights (built
+    only when d * q reproduces the fp32 head exactly; `q8_groups`), so no rescore is needed."""
+
+    def __init__(self, q: Tensor, d: Tensor):
+        super().__init__()
+        self.register_buffer("qs", q)
+        self.register_buffer("d", d)
+
+    def forward(self, h: Tensor, weight: Tensor) -> Tensor:
+        return torch.ops.dpserve.q8_linear(h.float(), self.qs, self.d)
+
+
+def q8_groups(weight: Tensor, group_size: int = 32) -> tuple[Tensor, Tensor] | None:
+    """fp32 [V, dim] -> (q int8 [V, dim], d fp32 [V, dim / 32]) with d * q == weight exactly, or None.
+
+    A GGUF Q8_0 tensor dequantizes to d * q with d an fp16 and max |q| = 127 in each group (llama.cpp's
+    quantizer), so d is the group's max |w| / 127 rounded to fp16; any other weight fails the exactness check."""
+    V, dim = weight.shape
+    if dim % group_size:
+        return None
+    groups = weight.view(V, -1, group_size)
+    d = (groups.abs().amax(dim=-1) / 127).half().float()  # [V, G]
+    q = torch.where(d.unsqueeze(-1) > 0, groups / d.clamp(min=1e-30).unsqueeze(-1), 0).round().clamp(-127, 127)
+    if not torch.equal(q * d.unsqueeze(-1), groups):
+        return None
+    return q.to(torch.int8).view(V, dim), d.contiguous()
+
+
+def fused_linear(
+    state: dict[str, Tensor], names: list[str], linear: nn.Module, split: RowSplit, path: str
+) -> nn.Module:
+    """Fill `linear` with the row-concatenation of the named weights, or build a GroupedLinear from their groups."""
     if names[0] + ".qweight" in state:
         parts = (torch.cat([state[n + part] for n in names]) for part in (".qweight", ".scales", ".mins"))
-        return Int4Linear(*parts, split)
+        return GroupedLinear(*parts, split, path)
     linear.weight.copy_(torch.cat([state[n + ".weight"] for n in names]))
     if linear.bias is not None:
         linear.bias.copy_(torch.cat([state[n + ".bias"] for n in names]))
@@ -361,8 +416,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args, prec) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else Linear(args.dim, args.vocab_size, False, prec.head)
-        self.fast_head: FastHead | None = None  # set by quantize_head()
-        self.row_split = RowSplit()  # read by Int4Linear layers
+        self.fast_head: FastHead | GroupedHead | None = None  # set by quantize_head()
+        self.row_split = RowSplit()  # read by GroupedLinear layers
+        self.kernel_paths = None  # cpu_paths.KernelPaths of GGUF groups on CPU (set by core.load_model)
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -403,12 +459,21 @@ class Transformer(nn.Module):
         """[vocab, dim]: the tied embedding or the separate output layer's weight."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def quantize_head(self) -> None:
-        """Run the LM head on int8/bf16 copies with an fp32 rescore of each row's best candidates (CPU)."""
-        self.fast_head = FastHead(self.head_weight.detach().float())
+    def quantize_head(self, path: str = "int4") -> str:
+        """Run the LM head on a quantized copy (CPU; cpu_paths.py's path): "q4" the exact Q8_0 groups in the
+        grouped kernel where the head is one, else int8/bf16 (or fp32 without bf16 hardware) copies with an fp32
+        rescore of each row's best candidates. Returns what it built, for the log."""
+        weight = self.head_weight.detach().float()
+        groups = q8_groups(weight) if path == "q4" else None
+        if groups is not None:
+            self.fast_head = GroupedHead(*groups)
+            return "Q8_0 groups, grouped kernel"
+        self.fast_head = FastHead(weight, large_bf16=path == "int4")
+        return "int8 (<= 8 rows) / " + ("bf16" if path == "int4" else "fp32") + ", top-8 rescored in fp32"
 
-    def load_weights(self, state: dict[str, Tensor]) -> None:
-        """Load a loader.py state dict (HF names, HF rotate_half q/k layout), fusing qkv and gate/up."""
+    def load_weights(self, state: dict[str, Tensor], path: str = "int4") -> None:
+        """Load a loader.py state dict (HF names, HF rotate_half q/k layout), fusing qkv and gate/up; GGUF groups
+        become GroupedLinear layers on kernel path `path` (cpu_paths.py)."""
         with torch.no_grad():
             self.tok_embeddings.weight.copy_(state["model.embed_tokens.weight"])
             self.norm.weight.copy_(state["model.norm.weight"])
@@ -418,16 +483,19 @@ class Transformer(nn.Module):
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 attn, ffn = layer.attention, layer.feed_forward
-                attn.wqkv = fused_linear(state, [f"{p}self_attn.{n}_proj" for n in "qkv"], attn.wqkv, split)
-                attn.wo = fused_linear(state, [p + "self_attn.o_proj"], attn.wo, split)
-                ffn.w13 = fused_linear(state, [p + "mlp.gate_proj", p + "mlp.up_proj"], ffn.w13, split)
-                ffn.w2 = fused_linear(state, [p + "mlp.down_proj"], ffn.w2, split)
+                attn.wqkv = fused_linear(state, [f"{p}self_attn.{n}_proj" for n in "qkv"], attn.wqkv, split, path)
+                attn.wo = fused_linear(state, [p + "self_attn.o_proj"], attn.wo, split, path)
+                ffn.w13 = fused_linear(state, [p + "mlp.gate_proj", p + "mlp.up_proj"], ffn.w13, split, path)
+                ffn.w2 = fused_linear(state, [p + "mlp.down_proj"], ffn.w2, split, path)
                 layer.attention_norm.weight.copy_(state[p + "input_layernorm.weight"])
                 layer.ffn_norm.weight.copy_(state[p + "post_attention_layernorm.weight"])
 
 
-def build_model(args: ModelArgs, state: dict[str, Tensor] | None, prec: Precision, device: torch.device) -> Transformer:
-    """A Transformer on `device`; random weights when state is None (tests)."""
+def build_model(
+    args: ModelArgs, state: dict[str, Tensor] | None, prec: Precision, device: torch.device, path: str = "int4"
+) -> Transformer:
+    """A Transformer on `device`; random weights when state is None (tests). `path`: the kernel path of GGUF
+    groups in `state` (cpu_paths.py)."""
     with torch.device("meta"):
         model = Transformer(args, prec)
     model = model.to_empty(device=device)
@@ -442,5 +510,5 @@ def build_model(args: ModelArgs, state: dict[str, Tensor] | None, prec: Precisio
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / p.shape[-1] ** 0.5)
     else:
-        model.load_weights(state)
+        model.load_weights(state, path)
     return model.eval()

@@ -6,8 +6,14 @@ into tensors once; the model then sees one flat token batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import logging
+import os
+import sys
+import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +31,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def compile_lock(cache_dir: str):
+    """One compile of the decode step at a time per cache dir (per node, by default): ranks that start together
+    would otherwise compile the same graphs side by side on the same cores; the ones that wait find them cached."""
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, "compile.lock"), "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another rank's compile of the decode step (%s)", cache_dir)
+            started = time.monotonic()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            logger.info("waited %.1f s for another rank's compile", time.monotonic() - started)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @dataclasses.dataclass
 class StepResult:
     """Per scheduled sequence (same order as the batch): the new token (None while mid-prefill), its logprob
@@ -38,7 +63,8 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, eos_token_ids: list[int]):
         self.model = model
-        self.compiled: CompiledDecode | None = None  # set by compile_decode()
+        self.compiled: CompiledDecode | None = None  # set by compile_decode() once the graphs are ready
+        self.compile_thread: threading.Thread | None = None  # compile_decode(background=True)
         self.device = model.rope_cos.device
         self.block_size = block_size
         self.num_blocks = num_blocks + 1  # in the cache: the scheduler's blocks, then one scratch block
@@ -52,20 +78,47 @@ class ModelRunner:
         self.block_offsets = torch.arange(block_size, device=self.device)
         logger.info("KV cache: %d blocks x %d tokens, %s", num_blocks, block_size, kv_dtype)
 
-    @torch.inference_mode()  # the inputs too: the guards compare their dispatch keys with run()'s
-    def compile_decode(self, cache_dir: str) -> None:
-        """Compile the decode step (compiled.py) now, so that no request waits for a compile later."""
+    def compile_decode(self, cache_dir: str, background: bool = False) -> None:
+        """Compile the decode step (compiled.py), or load it from inductor's cache: now, or in a background thread
+        while steps run eagerly (`background`: a rank serves at once and switches over when it is ready, since
+        even a cache hit costs dynamo's tracing, ~20-40 s on 2 cores)."""
         from dpserve_engine.compiled import CompiledDecode
 
         try:
-            compiled = CompiledDecode(self.model, self.kv_caches, cache_dir)
-            compiled.warm_up(lambda rows, blocks: self.prepare_decode_only([], rows, blocks))  # scratch rows only
-        except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            logger.warning("compiling the decode step failed, running eager PyTorch: %s: %s", type(e).__name__,
-                           " ".join(lines[:2]))  # e.g. "backend='inductor' raised:" and its cause
+            compiled = CompiledDecode(self.model, self.kv_caches, cache_dir)  # stacks the weights; compiles nothing
+        except Exception as e:  # noqa: BLE001 - e.g. the attention op cannot be built: serve eagerly
+            self._compile_failed(e)
             return
-        self.compiled = compiled
+        if not background:
+            self._warm_up(compiled, cache_dir)
+            return
+        # The tracing thread holds the GIL for up to the switch interval each time a step's op lets it go: at the
+        # default 5 ms an eager step of a few hundred ops then takes seconds. A short interval while it runs.
+        self._switch_interval_s = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval_s, 0.00002))
+        self.compile_thread = threading.Thread(
+            target=self._warm_up, args=(compiled, cache_dir), name="compile-decode", daemon=True
+        )
+        self.compile_thread.start()
+
+    @torch.inference_mode()  # the inputs too: the guards compare their dispatch keys with run()'s
+    def _warm_up(self, compiled: CompiledDecode, cache_dir: str) -> None:
+        try:
+            with compile_lock(cache_dir):
+                compiled.warm_up(lambda rows, blocks: self.prepare_decode_only([], rows, blocks))  # scratch rows only
+        except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
+            self._compile_failed(e)
+            return
+        finally:
+            if self.compile_thread is not None:
+                sys.setswitchinterval(self._switch_interval_s)
+        self.compiled = compiled  # one assignment: the next step takes the compiled path
+
+    @staticmethod
+    def _compile_failed(e: Exception) -> None:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        logger.warning("compiling the decode step failed, running eager PyTorch: %s: %s", type(e).__name__,
+                       " ".join(lines[:2]))  # e.g. "backend='inductor' raised:" and its cause
 
     @staticmethod
     def kv_bytes_per_block(model_args, block_size: int, kv_dtype: torch.dtype) -> int:
