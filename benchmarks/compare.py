@@ -117,8 +117,11 @@ class Server:
         api_servers: int = 1,
         extra: list[str] | None = None,
         log_dir: str | None = None,
+        backend: str = "ray",
     ):
         self.name = name
+        self.dp = dp
+        self.null_engine = null_engine
         self.port = free_port()
         self.rpc_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -127,7 +130,7 @@ class Server:
             "--host", "127.0.0.1",
             "--port", str(self.port),
             flag("--data-parallel-size"), str(dp),
-            flag("--data-parallel-backend"), "mp",
+            flag("--data-parallel-backend"), backend,
             flag("--data-parallel-rpc-port"), str(self.rpc_port),
         ]  # fmt: skip
         if threads_per_rank is not None and "--num-threads" in serve_help() and not null_engine:
@@ -145,7 +148,7 @@ class Server:
         self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"dpserve-compare-{name}-{self.port}.log")
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 300.0) -> Server:
+    def start(self, timeout_s: float = 900.0) -> Server:
         log(f"starting {self.name}: {shlex.join(self.cmd)} (OMP_NUM_THREADS={self.env['OMP_NUM_THREADS']})")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -158,6 +161,7 @@ class Server:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log: {self.log_path}\n{self.tail()}")
             if self._ready():
                 log(f"{self.name} ready at {self.url}")
+                self._wait_compiled(deadline)
                 return self
             time.sleep(0.5)
         self.stop()
@@ -175,6 +179,25 @@ class Server:
                 return r.status == 200
         except (OSError, urllib.error.URLError, ValueError, KeyError, IndexError):
             return False
+
+    def _wait_compiled(self, deadline: float) -> None:
+        """Ranks serve while their decode step is prepared in the background; measure them once it runs compiled
+        (the `dpserve:engine_decode_compiled` gauge, per rank), unless they run eager or have no model."""
+        if not self.dp or self.null_engine or "--enforce-eager" in self.cmd:
+            return
+        started = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log: {self.log_path}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+                    text = r.read().decode()
+                compiled = [ln for ln in text.splitlines() if ln.startswith("dpserve:engine_decode_compiled{")]
+                if len(compiled) >= self.dp and all(ln.rstrip().endswith(" 1.0") for ln in compiled):
+                    log(f"{self.name}: every rank's decode step compiled ({time.monotonic() - started:.0f} s)")
+                    return
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name}: decode step not compiled in time; log: {self.log_path}\n{self.tail()}")
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -266,7 +289,7 @@ def serving_overhead(opts, results: dict) -> None:
     from dpserve_engine.factory import build_engine_core
 
     threads = opts.threads
-    server = Server("dp1-overhead", dp=1, threads_per_rank=threads, log_dir=opts.log_dir).start()
+    server = Server("dp1-overhead", dp=1, threads_per_rank=threads, log_dir=opts.log_dir, backend=opts.backend).start()
     try:
         import torch
 
@@ -294,7 +317,7 @@ def serving_overhead(opts, results: dict) -> None:
             "direct_ttft_p50_ms": med([x["direct_ttft_p50_ms"] for x in rows]),
             "target": "<= 1.10",
             "rounds": rows,
-            "setup": f"DP=1, {threads} thread(s), concurrency 1, {opts.input_len} prompt tokens, "
+            "setup": f"DP=1 {opts.backend}, {threads} thread(s), concurrency 1, {opts.input_len} prompt tokens, "
             f"{opts.overhead_output_len} output tokens, {n} requests per round",
         }
     finally:
@@ -302,8 +325,8 @@ def serving_overhead(opts, results: dict) -> None:
 
 
 def dp_scaling(opts, results: dict) -> None:
-    a = Server("dp2-1thread", dp=2, threads_per_rank=1, log_dir=opts.log_dir)
-    b = Server("dp1-1thread", dp=1, threads_per_rank=1, log_dir=opts.log_dir)
+    a = Server("dp2-1thread", dp=2, threads_per_rank=1, log_dir=opts.log_dir, backend=opts.backend)
+    b = Server("dp1-1thread", dp=1, threads_per_rank=1, log_dir=opts.log_dir, backend=opts.backend)
     try:
         a.start()
         b.start()
@@ -328,7 +351,8 @@ def dp_scaling(opts, results: dict) -> None:
             "dp1_output_tok_s": med([x["dp1_output_tok_s"] for x in rows]),
             "target": ">= 1.8",
             "rounds": rows,
-            "setup": f"1 thread per rank, concurrency {c}, {opts.input_len} prompt / {opts.output_len} output tokens",
+            "setup": f"{opts.backend} backend, 1 thread per rank, concurrency {c}, {opts.input_len} prompt / "
+                     f"{opts.output_len} output tokens",
         }
     finally:
         a.stop()
@@ -381,6 +405,7 @@ class LlamaServer(Server):
 
     def __init__(self, binary: str, gguf: str, threads: int, parallel: int, extra: list[str], log_dir: str | None):
         self.name = "llama-server"
+        self.dp, self.null_engine = 0, False  # no ranks to wait for
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [binary, "-m", gguf, "-t", str(threads), "--parallel", str(parallel), "--host", "127.0.0.1",
@@ -407,6 +432,7 @@ def llama_cpp(opts, results: dict) -> None:
     llama = LlamaServer(binary, bundled_gguf(), threads=2, parallel=32, extra=shlex.split(opts.llama_args),
                         log_dir=opts.log_dir)  # fmt: skip
     ours = Server("dpserve-dp2", dp=2, threads_per_rank=opts.dpserve_threads, extra=shlex.split(opts.dpserve_args),
+                  backend=opts.backend,
                   log_dir=opts.log_dir)  # fmt: skip
     scenarios = [
         ("c32_distinct", ["--concurrency", "32", "--num-requests", str(opts.llama_requests)], "output_throughput"),
@@ -456,7 +482,7 @@ def llama_cpp(opts, results: dict) -> None:
             for name, _, key in scenarios
         }
         results["llama_cpp"]["setup"] = (
-            f"llama-server -t 2 --parallel 32 {opts.llama_args}; dpserve DP=2 mp, {opts.dpserve_threads or 'adaptive'} "
+            f"llama-server -t 2 --parallel 32 {opts.llama_args}; dpserve DP=2 {opts.backend}, {opts.dpserve_threads or 'adaptive'} "
             f"thread(s) per rank {opts.dpserve_args}; 128 prompt / 64 output tokens, ignore_eos, completions, streaming"
         )
     finally:
@@ -557,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only these comparisons (repeatable); default: overhead, dp, frontend "
                    "(llama: the end-to-end comparison with llama-server, see benchmarks/llama_cpp.sh)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="A/B rounds per comparison")
+    p.add_argument("--backend", choices=("ray", "mp"), default="ray",
+                   help="dpserve's --data-parallel-backend (default ray: what `make serve` starts)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for the serving-overhead pair")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)

@@ -109,6 +109,7 @@ class EngineLoad(_Part):
     prompt_tokens: int = 0  # prompt tokens computed (cumulative)
     generation_tokens: int = 0  # tokens generated (cumulative)
     num_preemptions: int = 0
+    decode_compiled: bool = False  # decode steps run the compiled graph (False while it is prepared, or eager)
 
 
 class EngineInfo(_Part):

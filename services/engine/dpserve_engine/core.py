@@ -204,6 +204,7 @@ class EngineCore(EngineCoreBase):
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            decode_compiled=self.runner.compiled is not None,
         )
 
 

@@ -57,6 +57,8 @@ class _SnapshotCollector:
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    labels=labels)
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions.", labels=labels)
+        compiled = GaugeMetricFamily("dpserve:engine_decode_compiled", "1 once the rank's decode steps run its "
+                                     "compiled graph (prepared in the background after start-up).", labels=labels)
         wave = GaugeMetricFamily("dpserve:coordinator_wave", "The coordinator's current wave.")
         is_running = GaugeMetricFamily("dpserve:engines_running", "1 while the engines are in a wave.")
         snapshot = self.snapshot
@@ -69,9 +71,10 @@ class _SnapshotCollector:
                 queries.add_metric(values, load.prefix_queries)
                 hits.add_metric(values, load.prefix_hits)
                 preemptions.add_metric(values, load.num_preemptions)
+                compiled.add_metric(values, 1.0 if load.decode_compiled else 0.0)
             wave.add_metric([], snapshot.wave)
             is_running.add_metric([], 1.0 if snapshot.engines_running else 0.0)
-        return [running, waiting, kv, queries, hits, preemptions, wave, is_running]
+        return [running, waiting, kv, queries, hits, preemptions, compiled, wave, is_running]
 
 
 def observe_many(histogram, values: list[float]) -> None:
