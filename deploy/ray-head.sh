@@ -3,6 +3,8 @@
 # Env: DPSERVE_DP_SIZE (2), DPSERVE_DP_SIZE_LOCAL (0: no engine on the head), DPSERVE_RPC_PORT (29550),
 #      DPSERVE_MODEL (smollm2), RAY_AUTH_MODE/RAY_AUTH_TOKEN (shared by every Ray node).
 set -eu
+# Ray runs workers at nice 15 by default; the engine ranks they host are the work, so they run at 0.
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
 IP="$(hostname -i | awk '{print $1}')"
 ray start --head --node-ip-address "$IP" --port 6379 --dashboard-host "$IP" --num-cpus "${RAY_HEAD_NUM_CPUS:-0}"
 trap 'ray stop' EXIT

@@ -70,11 +70,17 @@ def test_16_concurrent_requests_equal_each_alone(core, chat):
 
 
 def test_production_precision_matches_fp32_greedy(core, chat):
+    """q4 (fp32 activations on the file's weights): fp32's greedy tokens exactly. int4 (bf16 activations): the same
+    tokens except where the fp32 reference itself nearly ties (bf16 rounding can swap such a pair)."""
     prompts = {f"p{i}": chat(p) for i, p in enumerate(PROMPTS)}
     production = generate(core, prompts, 32)
     fp32_model = load_model(EngineConfig(quantization="none"), Precision.fp32())  # dequantized, fp32 everywhere
     reference = EngineCore.from_model(EngineConfig(num_kv_blocks=256), fp32_model, core.model_info)
-    assert generate(reference, prompts, 32) == production
+    expected = generate(reference, prompts, 32)
+    if core.runner.model.kernel_paths.path == "q4":
+        assert production == expected
+    else:
+        assert_equal_but_near_ties(production, expected, prompts, reference)
 
 
 def test_dequantized_fp32_answers_the_capital_of_france(chat):
@@ -105,13 +111,19 @@ def test_compiled_decode_step_is_batch_invariant_and_matches_fp32(compiled_core,
     prompts = {f"p{i}": chat(p) for i, p in enumerate(PROMPTS)}
     fp32_model = load_model(EngineConfig(quantization="none"), Precision.fp32())
     reference = EngineCore.from_model(EngineConfig(num_kv_blocks=256), fp32_model, compiled_core.model_info)
-    ours, theirs = generate(compiled_core, prompts, 32), generate(reference, prompts, 32)
+    # allowed only where fp32 itself nearly ties (fused kernels round otherwise)
+    assert_equal_but_near_ties(generate(compiled_core, prompts, 32), generate(reference, prompts, 32), prompts, reference)
+    assert compiled.num_calls > 0 and compiled.num_fallbacks == 0
+
+
+def assert_equal_but_near_ties(ours: dict, theirs: dict, prompts: dict, reference) -> None:
+    """Each request's greedy tokens equal the fp32 reference's, or first differ where the reference's top two
+    logprobs are within 0.05 of each other (a near tie that a rounding difference may swap)."""
     for rid, ids in prompts.items():
-        if ours[rid] != theirs[rid]:  # allowed only where fp32 itself nearly ties (fused kernels round otherwise)
+        if ours[rid] != theirs[rid]:
             i = next(i for i, (a, b) in enumerate(zip(ours[rid], theirs[rid])) if a != b)
             top = fp32_top_logprobs(reference, ids + theirs[rid][:i])
             assert ours[rid][i] in top and top[theirs[rid][i]] - top[ours[rid][i]] < 0.05, (rid, i, top)
-    assert compiled.num_calls > 0 and compiled.num_fallbacks == 0
 
 
 def fp32_top_logprobs(core, ids: list[int]) -> dict[int, float]:

@@ -127,6 +127,10 @@ class RayLauncher(EngineLauncher):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         # Ray's C++ SIGTERM handler prints a stack trace on every clean shutdown; SIGTERM is how we are stopped.
         os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+        # Ray runs its workers at nice 15, and an engine process inherits its EngineHost actor's: beside the
+        # frontends on the same cores (nice 0) it would yield to them, which the mp backend's engines do not. A
+        # local instance runs them at 0, like mp; a cluster's nodes are started so by deploy/ray-*.sh.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         started = time.monotonic()
         if self._settings.ray_address:
             try:
