@@ -23,7 +23,9 @@ def test_server_command_lines(compare):
     s = compare.Server("x", dp=2, threads_per_rank=1, api_servers=2, null_engine=True)
     cmd = s.cmd
     assert cmd[cmd.index("--data-parallel-size") + 1] == "2"
-    assert cmd[cmd.index("--data-parallel-backend") + 1] == "mp"
+    assert cmd[cmd.index("--data-parallel-backend") + 1] == "ray"  # what `make serve` starts
+    mp = compare.Server("z", dp=2, threads_per_rank=1, backend="mp")
+    assert mp.cmd[mp.cmd.index("--data-parallel-backend") + 1] == "mp"
     assert cmd[cmd.index("--api-server-count") + 1] == "2"
     assert "--null-engine" in cmd and "--num-threads" not in cmd
     assert s.env["OMP_NUM_THREADS"] == "1"
@@ -45,6 +47,7 @@ def test_markdown_report(compare):
     assert text.startswith("### ") and "`python benchmarks/compare.py --rounds 2`" in text
     assert "| DP scaling | DP=2 100.0 tok/s | DP=1 50.0 tok/s | 2.000 | >= 1.8 |" in text
     assert "frontend ceiling" in text and "1.900, 2.100" in text
+    assert "- machine: " in text and "kernel path" in text  # every section says where it ran
     assert "not measured: overhead: RuntimeError: boom" in text
 
 
