@@ -28,6 +28,7 @@ import urllib.error
 import urllib.request
 
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
+from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
 
 _PR_SET_PDEATHSIG = 1
 _FRONTEND_STOP_S = 35.0  # the frontend drains in-flight requests for up to 30 s
@@ -95,7 +96,7 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be a TCP port, got {getattr(args, name)}")
 
 
-def coordinator_command(args: argparse.Namespace, ready_file: str) -> list[str]:
+def coordinator_command(args: argparse.Namespace, ready_file: str, deployment_id: str = "") -> list[str]:
     cmd = [
         sys.executable, "-c", "import sys; from dpserve_coordinator.main import main; sys.exit(main())",
         "--data-parallel-size", str(args.data_parallel_size),
@@ -104,6 +105,7 @@ def coordinator_command(args: argparse.Namespace, ready_file: str) -> list[str]:
         "--data-parallel-backend", args.data_parallel_backend,
         "--engine-startup-timeout-s", str(args.engine_startup_timeout_s),
         "--ready-file", ready_file,
+        *(["--deployment-id", deployment_id] if deployment_id else []),
     ]  # fmt: skip
     optional = {
         "--data-parallel-size-local": args.data_parallel_size_local,
@@ -117,7 +119,7 @@ def coordinator_command(args: argparse.Namespace, ready_file: str) -> list[str]:
     return cmd + list(engine_argv(args))
 
 
-def frontend_command(args: argparse.Namespace) -> list[str]:
+def frontend_command(args: argparse.Namespace, ready_file: str | None = None, deployment_id: str = "") -> list[str]:
     cmd = [
         sys.executable, "-c", "import sys; from dpserve_frontend.main import main; sys.exit(main())",
         "--coordinator", f"tcp://{args.data_parallel_address}:{args.data_parallel_rpc_port}",
@@ -126,6 +128,10 @@ def frontend_command(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
     if args.api_key:
         cmd += ["--api-key", args.api_key]
+    if ready_file:
+        cmd += ["--ready-file", ready_file]
+    if deployment_id:
+        cmd += ["--deployment-id", deployment_id]
     return cmd
 
 
@@ -153,6 +159,9 @@ class Server:
         os.makedirs(self.metrics_dir)
         self.coordinator: subprocess.Popen | None = None
         self.frontends: list[subprocess.Popen] = []
+        self.frontend_ready_files: list[str] = []
+        # On every control and broadcast message of this deployment: its peers ignore any other's (envelope.py).
+        self.deployment_id = deployment_id_from_env() or new_deployment_id()
         self.num_signals = 0
         self.stopping = False
 
@@ -160,9 +169,15 @@ class Server:
         return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
 
     def start(self) -> None:
-        self.coordinator = self._spawn(coordinator_command(self.args, self.ready_file))
+        self.coordinator = self._spawn(coordinator_command(self.args, self.ready_file, self.deployment_id))
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
-        self.frontends = [self._spawn(frontend_command(self.args), env) for _ in range(self.args.api_server_count)]
+        self.frontend_ready_files = [
+            os.path.join(self.work_dir, f"frontend-{i}-ready") for i in range(self.args.api_server_count)
+        ]
+        self.frontends = [
+            self._spawn(frontend_command(self.args, path, self.deployment_id), env)
+            for path in self.frontend_ready_files
+        ]
 
     def children(self) -> list[tuple[str, subprocess.Popen]]:
         named = [(f"frontend {i}", p) for i, p in enumerate(self.frontends)]
@@ -179,7 +194,9 @@ class Server:
         return f"http://{host}:{self.args.port}"
 
     def is_healthy(self) -> bool:
-        if not os.path.exists(self.ready_file):
+        # Every API server must follow the broadcasts and see every rank: they share the port, so /health alone
+        # answers for whichever one the kernel picked.
+        if not all(os.path.exists(p) for p in [self.ready_file, *self.frontend_ready_files]):
             return False
         headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
         try:
@@ -199,6 +216,8 @@ class Server:
         _stop_all(self.frontends, _FRONTEND_STOP_S)
         if self.coordinator is not None:
             _stop_all([self.coordinator], _COORDINATOR_STOP_S)
+        for _, proc in self.children():
+            _kill_leftovers(proc)
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def kill_now(self) -> None:
@@ -211,6 +230,15 @@ class Server:
                         os.killpg(proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+
+
+def _kill_leftovers(proc: subprocess.Popen) -> None:
+    """Each child leads a process group of its own; whatever is left in it once the child exited (Ray's agents when
+    the coordinator died without its teardown) is killed."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _stop_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
@@ -250,7 +278,8 @@ def serve(args: argparse.Namespace) -> int:
     backend = args.data_parallel_backend
     _log(
         f"starting: model {args.model or 'smollm2'}{' (null engine)' if args.null_engine else ''}, "
-        f"DP={args.data_parallel_size} on {backend}, {args.api_server_count} API server(s) on {args.host}:{args.port}"
+        f"DP={args.data_parallel_size} on {backend}, {args.api_server_count} API server(s) on {args.host}:{args.port}, "
+        f"deployment {server.deployment_id}"
     )
     code = 0
     try:

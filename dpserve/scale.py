@@ -16,7 +16,8 @@ import uuid
 
 import zmq
 
-from dpserve_shared.codec import encode, from_coordinator_decoder
+from dpserve_shared.codec import from_coordinator_decoder
+from dpserve_shared.envelope import frames, split
 from dpserve_shared.schema import EngineState, ScaleAck, ScaleRequest, Topology
 
 _ANSWER_TIMEOUT_S = 10.0
@@ -67,12 +68,17 @@ def scale(args: argparse.Namespace) -> int:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     try:
         control.connect(addr)
-        control.send(encode(ScaleRequest(size, drain_timeout_s=args.drain_timeout)))
+        control.send_multipart(frames("", ScaleRequest(size, drain_timeout_s=args.drain_timeout)))
         if not control.poll(int(_ANSWER_TIMEOUT_S * 1000)):
             _say(f"no answer from the coordinator at {addr} within {_ANSWER_TIMEOUT_S:.0f} s (is it running? "
                  "give its address with --coordinator or --data-parallel-address/--data-parallel-rpc-port)")
             return 1
-        ack = decoder.decode(control.recv())
+        envelope = split(control.recv_multipart())
+        if envelope is None:
+            _say(f"the peer at {addr} is not a dpserve coordinator of this release")
+            return 1
+        deployment_id, data = envelope  # the broadcasts of this deployment only
+        ack = decoder.decode(data)
         if not isinstance(ack, ScaleAck):
             _say(f"unexpected answer {type(ack).__name__} from {addr}")
             return 1
@@ -92,7 +98,10 @@ def scale(args: argparse.Namespace) -> int:
                 _say(f"timed out after {args.timeout_s:.0f} s (the coordinator goes on with the step); now: {last}")
                 return 1
             for sock, _ in poller.poll(min(remaining_ms, 1000)):
-                msg = decoder.decode(sock.recv())
+                envelope = split(sock.recv_multipart())
+                if envelope is None or envelope[0] != deployment_id:
+                    continue
+                msg = decoder.decode(envelope[1])
                 if isinstance(msg, Topology):
                     now = describe(msg)
                     if now != last:

@@ -132,8 +132,9 @@ def start_serve(
     extra_args: tuple[str, ...] = (),
     log_dir: str,
     timeout_s: float = STARTUP_TIMEOUT_S,
+    rpc_port: int | None = None,
 ) -> ServeProcess:
-    port, rpc_port = free_port(), free_port()
+    port, rpc_port = free_port(), rpc_port or free_port()
     ray_temp_dir = tempfile.mkdtemp(prefix="dpr", dir="/tmp") if backend == "ray" else None
     cmd = [
         DPSERVE, "serve",
@@ -162,7 +163,7 @@ def start_serve(
             text = server.log()
             stop_serve(server)
             pytest.fail(f"dpserve serve exited with {proc.returncode} during start-up:\n{text[-6000:]}")
-        if _health_ok(server.url) and "serving on" in server.log():
+        if "dpserve: serving on" in server.log() and _health_ok(server.url):
             return server
         if time.monotonic() > deadline:
             text = server.log()

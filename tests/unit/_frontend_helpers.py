@@ -29,6 +29,7 @@ import threading  # noqa: E402
 import zmq  # noqa: E402
 
 from dpserve_shared.codec import encode, engine_decoder  # noqa: E402
+from dpserve_shared.envelope import frames, split  # noqa: E402
 from dpserve_shared.schema import (  # noqa: E402
     AbortRequests,
     EngineInfo,
@@ -148,6 +149,8 @@ class FakeCoordinator:
         self.received: list = []
         self.epoch = 1
         self._decoder = coordinator_decoder()
+        # Each fake is a deployment of its own: a frontend started without an id follows a restarted coordinator.
+        self.deployment_id = f"dep-fake-{id(self):x}"
         self._context = zmq.Context()
         self._control = self._context.socket(zmq.ROUTER)
         if port is None:
@@ -180,17 +183,19 @@ class FakeCoordinator:
 
         while not self._stop.is_set():
             if self._control.poll(10):
-                identity, data = self._control.recv_multipart()
-                message = self._decoder.decode(data)
+                identity, *parts = self._control.recv_multipart()
+                envelope = split(parts)
+                assert envelope is not None, parts
+                message = self._decoder.decode(envelope[1])
                 self.received.append(message)
                 if isinstance(message, RegisterFrontend):
                     ack = RegisterAck(self.accept, None if self.accept else "refused by test",
                                       pub_addr=self.pub_addr, topology=self.topology())
-                    self._control.send_multipart([identity, encode(ack)])
+                    self._control.send_multipart([identity, *frames(self.deployment_id, ack)])
             with self._lock:
                 outbox, self._outbox = self._outbox, []
             for message in outbox:
-                self._pub.send(encode(message))
+                self._pub.send_multipart(frames(self.deployment_id, message))
 
     def of_type(self, cls):
         return [m for m in self.received if isinstance(m, cls)]

@@ -11,7 +11,6 @@ from dpserve_coordinator import scaling
 from dpserve_coordinator.launcher import EngineLauncher
 from dpserve_coordinator.placement import NodeResources, PlacementError, plan_added_rank
 from dpserve_coordinator.registry import Registry, RegistrationRefused
-from dpserve_shared.codec import encode
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     EngineLoad,
@@ -23,7 +22,7 @@ from dpserve_shared.schema import (
     ScaleRequest,
     Shutdown,
 )
-from tests.unit.test_coordinator_server import MODEL, _dealer, _recv, running_coordinator
+from tests.unit.test_coordinator_server import MODEL, _dealer, _recv, _send, running_coordinator
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -155,7 +154,7 @@ def _ranks(ack: ScaleAck) -> dict[int, EngineState]:
 
 async def _engine(ctx, addr: str, rank: int):
     engine = _dealer(ctx, f"engine-{rank}", addr)
-    await engine.send(encode(RegisterEngine(PROTOCOL_VERSION, rank, f"engine-{rank}", f"tcp://h:{rank}", MODEL)))
+    await _send(engine, RegisterEngine(PROTOCOL_VERSION, rank, f"engine-{rank}", f"tcp://h:{rank}", MODEL))
     assert (await _recv(engine, RegisterAck)).accepted
     return engine
 
@@ -164,24 +163,24 @@ async def _scale_scenario() -> None:
     launcher = FakeLauncher()
     async with running_coordinator(launcher) as (settings, coordinator, task, ctx):
         admin = _dealer(ctx, "scale-1", settings.control_addr)
-        await admin.send(encode(ScaleRequest(2)))
+        await _send(admin, ScaleRequest(2))
         early = await _recv(admin, ScaleAck)
         assert not early.accepted and "still starting its ranks" in early.error
         engine0 = await _engine(ctx, settings.control_addr, 0)
         await asyncio.sleep(1.2)  # the start-up waiter polls every second
 
         for bad, message in ((0, "between 1 and 1024, got 0"), (scaling.MAX_DATA_PARALLEL_SIZE + 1, "got 1025")):
-            await admin.send(encode(ScaleRequest(bad)))
+            await _send(admin, ScaleRequest(bad))
             refused = await _recv(admin, ScaleAck)
             assert not refused.accepted and refused.is_complete and message in refused.error
 
         # Up: accepted at once with rank 1 STARTING; a second request is refused while it runs.
-        await admin.send(encode(ScaleRequest(2)))
+        await _send(admin, ScaleRequest(2))
         ack = await _recv(admin, ScaleAck)
         assert ack.accepted and not ack.is_complete and ack.pub_addr == coordinator.pub_addr
         assert _ranks(ack) == {0: EngineState.READY, 1: EngineState.STARTING}
         other = _dealer(ctx, "scale-2", settings.control_addr)
-        await other.send(encode(ScaleRequest(3)))
+        await _send(other, ScaleRequest(3))
         busy = await _recv(other, ScaleAck)
         assert not busy.accepted and "a scale to 2 is in progress" in busy.error
         engine1 = await _engine(ctx, settings.control_addr, 1)
@@ -191,13 +190,13 @@ async def _scale_scenario() -> None:
         assert launcher.started == [0, 1]
 
         # Down: rank 1 DRAINING; Shutdown only once its load is 0; removed once its process exited.
-        await engine1.send(encode(EngineStats(EngineLoad(rank=1, num_running=1))))
-        await admin.send(encode(ScaleRequest(1, drain_timeout_s=30)))
+        await _send(engine1, EngineStats(EngineLoad(rank=1, num_running=1)))
+        await _send(admin, ScaleRequest(1, drain_timeout_s=30))
         ack = await _recv(admin, ScaleAck)
         assert ack.accepted and _ranks(ack) == {0: EngineState.READY, 1: EngineState.DRAINING}
         with pytest.raises(TimeoutError):
             await _recv(engine1, Shutdown, timeout_s=1.0)  # still running a request
-        await engine1.send(encode(EngineStats(EngineLoad(rank=1))))
+        await _send(engine1, EngineStats(EngineLoad(rank=1)))
         shutdown = await _recv(engine1, Shutdown)
         assert shutdown.drain and shutdown.reason == "scale-down" and 25 < shutdown.drain_timeout_s <= 30
         assert 1 in coordinator.registry.engines and not launcher.stopped

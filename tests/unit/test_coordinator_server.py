@@ -12,7 +12,8 @@ import zmq.asyncio
 from dpserve_coordinator.launcher import EngineLauncher
 from dpserve_coordinator.server import Coordinator
 from dpserve_coordinator.settings import CoordinatorSettings
-from dpserve_shared.codec import encode, from_coordinator_decoder
+from dpserve_shared.codec import from_coordinator_decoder
+from dpserve_shared.envelope import frames, split
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     EngineLoad,
@@ -55,11 +56,21 @@ class FakeLauncher(EngineLauncher):
         self.closed = True
 
 
-async def _recv(sock, kind, timeout_s: float = 5.0):
+DEPLOYMENT = "dep-test"  # the test coordinator's deployment id
+
+
+async def _send(sock, msg, deployment_id: str = DEPLOYMENT) -> None:
+    await sock.send_multipart(frames(deployment_id, msg))
+
+
+async def _recv(sock, kind, timeout_s: float = 5.0, deployment_id: str = DEPLOYMENT):
+    """The next message of `kind` (in the envelope of `deployment_id`; nothing else may come)."""
     decoder = from_coordinator_decoder()
     async with asyncio.timeout(timeout_s):
         while True:
-            msg = decoder.decode(await sock.recv())
+            envelope = split(await sock.recv_multipart())
+            assert envelope is not None and envelope[0] == deployment_id, envelope
+            msg = decoder.decode(envelope[1])
             if isinstance(msg, kind):
                 return msg
 
@@ -76,7 +87,8 @@ def _dealer(ctx, identity: str, addr: str):
 async def running_coordinator(launcher: EngineLauncher):
     """A DP=1 coordinator running as a task, and a ZMQ context; both cancelled and destroyed on the way out."""
     settings = CoordinatorSettings(data_parallel_size=1, data_parallel_backend="mp",
-                                   data_parallel_rpc_port=free_port(), engine_startup_timeout_s=10)
+                                   data_parallel_rpc_port=free_port(), engine_startup_timeout_s=10,
+                                   deployment_id=DEPLOYMENT)
     coordinator = Coordinator(settings, launcher)
     task = asyncio.create_task(coordinator.run())
     ctx = zmq.asyncio.Context()
@@ -92,12 +104,12 @@ async def _scenario() -> None:
     launcher = FakeLauncher()
     async with running_coordinator(launcher) as (settings, coordinator, task, ctx):
         engine = _dealer(ctx, "engine-x", settings.control_addr)
-        await engine.send(encode(RegisterEngine(PROTOCOL_VERSION + 1, 0, "engine-x", "tcp://h:1", MODEL)))
+        await _send(engine, RegisterEngine(PROTOCOL_VERSION + 1, 0, "engine-x", "tcp://h:1", MODEL))
         refused = await _recv(engine, RegisterAck)
         assert not refused.accepted
         assert f"peer speaks {PROTOCOL_VERSION + 1}, this side speaks {PROTOCOL_VERSION}" in refused.error
 
-        await engine.send(encode(RegisterEngine(PROTOCOL_VERSION, 0, "engine-x", "tcp://h:1", MODEL)))
+        await _send(engine, RegisterEngine(PROTOCOL_VERSION, 0, "engine-x", "tcp://h:1", MODEL))
         ack = await _recv(engine, RegisterAck)
         assert ack.accepted and ack.rank == 0 and ack.pub_addr == coordinator.pub_addr
         assert launcher.started == [0]
@@ -106,7 +118,7 @@ async def _scenario() -> None:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(ack.pub_addr)
         frontend = _dealer(ctx, "fe-1", settings.control_addr)
-        await frontend.send(encode(RegisterFrontend(PROTOCOL_VERSION, "fe-1")))
+        await _send(frontend, RegisterFrontend(PROTOCOL_VERSION, "fe-1"))
         frontend_ack = await _recv(frontend, RegisterAck)
         assert frontend_ack.topology.model == MODEL
         assert [(e.rank, e.state, e.input_addr) for e in frontend_ack.topology.engines] == [
@@ -114,14 +126,14 @@ async def _scenario() -> None:
         ]
         assert (await _recv(sub, Topology)).engines[0].engine_id == "engine-x"  # within 2 s
 
-        await engine.send(encode(EngineStats(EngineLoad(rank=0, num_waiting=1, num_running=2))))
+        await _send(engine, EngineStats(EngineLoad(rank=0, num_waiting=1, num_running=2)))
         async with asyncio.timeout(3):
             while True:
                 snapshot = await _recv(sub, LoadSnapshot)
                 if snapshot.loads and snapshot.loads[0].num_running == 2:
                     break
 
-        await frontend.send(encode(Unregister("fe-1")))
+        await _send(frontend, Unregister("fe-1"))
         assert (await _recv(sub, FrontendGone)).frontend_id == "fe-1"
 
         coordinator._stopping.set()
@@ -141,3 +153,42 @@ def test_startup_timeout_names_the_missing_ranks(caplog):
     code = asyncio.run(Coordinator(settings, launcher).run())
     assert code == 1 and launcher.closed
     assert "ranks [0, 1] did not register within --engine-startup-timeout-s" in caplog.text
+
+
+async def _isolation_scenario() -> None:
+    launcher = FakeLauncher()
+    async with running_coordinator(launcher) as (settings, coordinator, task, ctx):
+        engine = _dealer(ctx, "engine-a", settings.control_addr)
+        await _send(engine, RegisterEngine(PROTOCOL_VERSION, 0, "engine-a", "tcp://h:1", MODEL))
+        assert (await _recv(engine, RegisterAck)).accepted
+
+        # Another deployment's peer reached this port: its registration, its Unregister of our rank 0 (same
+        # engine id) and an unenveloped message are all dropped, without an answer.
+        stray = _dealer(ctx, "engine-b", settings.control_addr)
+        await _send(stray, RegisterEngine(PROTOCOL_VERSION, 1, "engine-b", "tcp://h:2", MODEL), "dep-other")
+        await _send(stray, Unregister("engine-a", "exiting"), "dep-other")
+        await stray.send(b"\x80")  # one frame: not a dpserve envelope
+        assert not await stray.poll(1000)
+        assert coordinator.registry.engines[0].state == EngineState.READY and 1 not in coordinator.registry.engines
+        assert coordinator.guard.num_dropped == 2
+
+        # A peer started by hand (no --deployment-id) registers unbound and learns the id from the ack's envelope;
+        # anything but a registration from it must then carry the id.
+        frontend = _dealer(ctx, "fe-hand", settings.control_addr)
+        await _send(frontend, RegisterFrontend(PROTOCOL_VERSION, "fe-hand"), "")
+        assert (await _recv(frontend, RegisterAck, deployment_id=DEPLOYMENT)).accepted
+        await _send(frontend, Unregister("fe-hand"), "")
+        await asyncio.sleep(0.3)
+        assert "fe-hand" in coordinator.registry.frontends
+        await _send(frontend, Unregister("fe-hand"))
+        await asyncio.sleep(0.3)
+        assert "fe-hand" not in coordinator.registry.frontends
+
+        coordinator._stopping.set()
+        assert await asyncio.wait_for(task, 10) == 0
+
+
+def test_messages_of_another_deployment_are_dropped(caplog):
+    asyncio.run(_isolation_scenario())
+    assert caplog.text.count("from deployment 'dep-other'") == 1  # logged once per foreign id
+    assert "not a dpserve peer of this release" in caplog.text

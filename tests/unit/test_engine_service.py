@@ -11,6 +11,7 @@ import zmq
 from dpserve_engine.null_core import NullEngineCore
 from dpserve_engine.service import EngineService, RegistrationFailed, ServiceSettings
 from dpserve_shared.codec import coordinator_decoder, encode, frontend_decoder
+from dpserve_shared.envelope import frames, split
 from dpserve_shared.schema import (
     EngineHello,
     EngineOutputs,
@@ -29,6 +30,7 @@ from dpserve_shared.schema import (
 pytestmark = pytest.mark.timeout(30)
 
 MODEL = ModelInfo(name="null", root="-", max_model_len=256, vocab_size=2000, tokenizer_json="{}")
+DEPLOYMENT = "dep-test"  # the fake coordinator's deployment id
 
 
 class FakeCoordinator:
@@ -44,11 +46,20 @@ class FakeCoordinator:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.control.poll(100):
-                identity, data = self.control.recv_multipart()
-                msg = self.decoder.decode(data)
+                identity, *parts = self.control.recv_multipart()
+                envelope = split(parts)
+                assert envelope is not None, parts
+                msg = self.decoder.decode(envelope[1])
                 if isinstance(msg, kind):
+                    self.last_envelope_id = envelope[0]
                     return identity, msg
         raise AssertionError(f"no {kind.__name__} from the engine")
+
+    def send(self, identity: bytes, msg, deployment_id: str = DEPLOYMENT) -> None:
+        self.control.send_multipart([identity, *frames(deployment_id, msg)])
+
+    def publish(self, msg, deployment_id: str = DEPLOYMENT, pub=None) -> None:
+        (pub or self.pub).send_multipart(frames(deployment_id, msg))
 
     def close(self):
         self.control.close(0)
@@ -63,9 +74,9 @@ def coordinator():
     fake.close()
 
 
-def start_engine(coordinator, step_time_s: float = 0.0):
+def start_engine(coordinator, step_time_s: float = 0.0, **settings):
     core = NullEngineCore(MODEL, step_time_s=step_time_s)
-    service = EngineService(ServiceSettings(coordinator_addr=coordinator.control_addr, rank=-1), core)
+    service = EngineService(ServiceSettings(coordinator_addr=coordinator.control_addr, rank=-1, **settings), core)
     errors = []
 
     def run():
@@ -85,9 +96,7 @@ def start_engine(coordinator, step_time_s: float = 0.0):
 
 def register(coordinator, rank: int = 3) -> RegisterEngine:
     identity, msg = coordinator.recv(RegisterEngine)
-    coordinator.control.send_multipart(
-        [identity, encode(RegisterAck(accepted=True, rank=rank, pub_addr=coordinator.pub_addr))]
-    )
+    coordinator.send(identity, RegisterAck(accepted=True, rank=rank, pub_addr=coordinator.pub_addr))
     return msg
 
 
@@ -131,10 +140,10 @@ def test_registers_serves_routes_and_answers_errors(coordinator):
     assert got1["too-long"][-1].finish_reason == FinishReason.ERROR
     assert "max_model_len" in got1["too-long"][-1].error
     coordinator.recv(Heartbeat)
-    coordinator.pub.send(encode(Shutdown(drain=False)))
+    coordinator.publish(Shutdown(drain=False))
     deadline = time.monotonic() + 5
     while thread.is_alive() and time.monotonic() < deadline:
-        coordinator.pub.send(encode(Shutdown(drain=False)))  # SUB may join late
+        coordinator.publish(Shutdown(drain=False))  # SUB may join late
         thread.join(0.1)
     assert not thread.is_alive() and not errors
     assert service.rank == 3
@@ -154,7 +163,7 @@ def test_frontend_gone_aborts_its_requests(coordinator):
         running = stats.load.num_running
     while running != 0:  # ...and idle once the coordinator says its frontend is gone
         assert time.monotonic() < deadline, "request still running after FrontendGone"
-        coordinator.pub.send(encode(FrontendGone("fe-gone")))
+        coordinator.publish(FrontendGone("fe-gone"))
         _, stats = coordinator.recv(EngineStats)
         running = stats.load.num_running + stats.load.num_waiting
     service.stop(drain=True, reason="test")
@@ -166,7 +175,7 @@ def test_frontend_gone_aborts_its_requests(coordinator):
 def test_refused_registration_fails_with_the_coordinators_reason(coordinator):
     service, thread, errors = start_engine(coordinator)
     identity, _ = coordinator.recv(RegisterEngine)
-    coordinator.control.send_multipart([identity, encode(RegisterAck(accepted=False, error="protocol mismatch"))])
+    coordinator.send(identity, RegisterAck(accepted=False, error="protocol mismatch"))
     thread.join(5)
     assert len(errors) == 1 and isinstance(errors[0], RegistrationFailed)
     assert "protocol mismatch" in str(errors[0])
@@ -184,10 +193,10 @@ def test_registers_again_when_the_coordinator_goes_silent(coordinator, monkeypat
     assert (again.engine_id, again.rank) == (first.engine_id, 1)
     new_pub = coordinator.ctx.socket(zmq.PUB)
     new_pub_addr = f"tcp://127.0.0.1:{new_pub.bind_to_random_port('tcp://127.0.0.1')}"
-    coordinator.control.send_multipart([identity, encode(RegisterAck(accepted=True, rank=1, pub_addr=new_pub_addr))])
+    coordinator.send(identity, RegisterAck(accepted=True, rank=1, pub_addr=new_pub_addr))
     deadline = time.monotonic() + 5
     while thread.is_alive() and time.monotonic() < deadline:
-        new_pub.send(encode(Shutdown(drain=False)))
+        coordinator.publish(Shutdown(drain=False), pub=new_pub)
         thread.join(0.1)
     new_pub.close(0)
     assert not thread.is_alive() and not errors
@@ -213,3 +222,45 @@ def test_failing_steps_fail_their_requests_then_end_the_engine(coordinator, monk
     thread.join(5)
     assert not thread.is_alive() and not errors and service.exit_code == 1
     ctx.destroy(0)
+
+
+def test_a_stray_shutdown_from_another_deployment_is_ignored(coordinator, caplog):
+    """An engine started for deployment dep-test gets Shutdown on both of its coordinator links from a peer of
+    another deployment (a stopping coordinator whose port it reached): it keeps serving, and says so once. Its own
+    deployment's Shutdown stops it."""
+    service, thread, errors = start_engine(coordinator, deployment_id=DEPLOYMENT)
+    identity, _ = coordinator.recv(RegisterEngine)
+    assert coordinator.last_envelope_id == DEPLOYMENT  # a pinned engine registers in its deployment's envelope
+    coordinator.send(identity, RegisterAck(accepted=True, rank=0, pub_addr=coordinator.pub_addr))
+    ctx = zmq.Context()
+    fe = frontend(service, ctx, b"fe-1")
+    for i in range(10):  # the SUB may join late: send the stray broadcast until it has surely arrived
+        coordinator.publish(Shutdown(drain=False, reason="coordinator shutting down"), deployment_id="dep-other")
+        coordinator.send(identity, Shutdown(drain=False, reason="scale-down"), deployment_id="dep-other")
+        time.sleep(0.05)
+    while service.guard.num_dropped < 4:  # broadcasts and control messages both arrived and were dropped
+        assert thread.is_alive(), errors
+        time.sleep(0.05)
+    fe.send(encode(EngineRequest("after", [1, 2], SamplingParams(max_tokens=3))))
+    got = outputs_until_finished(fe, {"after"})
+    assert got["after"][-1].finish_reason == FinishReason.LENGTH and thread.is_alive()
+    assert caplog.text.count("from deployment 'dep-other'") == 1
+    deadline = time.monotonic() + 5
+    while thread.is_alive() and time.monotonic() < deadline:
+        coordinator.publish(Shutdown(drain=False))
+        thread.join(0.1)
+    assert not thread.is_alive() and not errors
+    ctx.destroy(0)
+
+
+def test_an_engine_whose_deployment_is_gone_exits(coordinator):
+    """No broadcast from its own deployment for --register-timeout-s (its coordinator died without a teardown):
+    an engine started for that deployment exits rather than linger for whoever takes the port next."""
+    service, thread, errors = start_engine(coordinator, deployment_id=DEPLOYMENT, register_timeout_s=1.0)
+    register(coordinator)
+    for _ in range(30):  # another deployment's broadcasts are no sign of life of its own
+        coordinator.publish(Heartbeat("x", 0.0), deployment_id="dep-other")
+        thread.join(0.1)
+        if not thread.is_alive():
+            break
+    assert not thread.is_alive() and not errors and service.exit_code == 1

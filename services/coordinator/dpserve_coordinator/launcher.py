@@ -35,6 +35,8 @@ def engine_command(settings: CoordinatorSettings, rank: int, host: str) -> list[
         str(rank),
         "--host",
         host,
+        "--deployment-id",
+        settings.deployment_id,
         *settings.engine_args,
     ]
 

@@ -11,6 +11,7 @@ import logging
 import sys
 
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
+from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
 
 from dpserve_coordinator.settings import CoordinatorSettings
 
@@ -36,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long ranks may take to load, compile and register (a first start compiles for minutes)")
     parser.add_argument("--max-engine-restarts", type=int, default=3)
     parser.add_argument("--ready-file", default=None, help="written once every rank is ready (used by dpserve serve)")
+    parser.add_argument(
+        "--deployment-id", default=deployment_id_from_env(),
+        help=f"this deployment's id, on every control and broadcast message; peers of another id are ignored "
+             f"(default: ${DEPLOYMENT_ID_ENV}, else a random one)",
+    )
     add_engine_flags(parser)
     return parser
 
@@ -80,6 +86,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         max_engine_restarts=args.max_engine_restarts,
         engine_args=engine_argv(args),
         ready_file=args.ready_file,
+        **({"deployment_id": args.deployment_id} if args.deployment_id else {}),
     )
 
 

@@ -26,7 +26,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dpserve_shared.codec import coordinator_decoder, encode
+from dpserve_shared.codec import coordinator_decoder
+from dpserve_shared.envelope import DeploymentGuard, frames, split
 from dpserve_shared.schema import (
     EngineState,
     EngineStats,
@@ -56,6 +57,9 @@ TOPOLOGY_INTERVAL_S = 2.0
 LOAD_MIN_INTERVAL_S = 0.1
 LOAD_HEARTBEAT_S = 1.0
 _SHUTDOWN_DRAIN_S = 5.0  # engines drain for 5 s (dpserve-engine --drain-timeout-s); SIGKILL after 7 s
+
+
+_UNBOUND_MESSAGES = (RegisterEngine, RegisterFrontend, ScaleRequest)
 
 
 class StartupFailed(Exception):
@@ -88,6 +92,8 @@ class Coordinator:
         self.pub_addr = ""
         self.waves = CoordinatorWaves()
         self._decoder = coordinator_decoder()
+        self.guard = DeploymentGuard(settings.deployment_id, log, "control socket")
+        self._unenveloped_from: set[bytes] = set()
         self._stopping = asyncio.Event()
         self._num_signals = 0
         self._published_epoch = -1
@@ -113,7 +119,8 @@ class Coordinator:
         self.pub.setsockopt(zmq.LINGER, 0)
         port = self.pub.bind_to_random_port(f"tcp://{self.settings.data_parallel_address}")
         self.pub_addr = f"tcp://{self.settings.data_parallel_address}:{port}"
-        log.info("control socket %s, broadcast %s", self.settings.control_addr, self.pub_addr)
+        log.info("deployment %s: control socket %s, broadcast %s", self.settings.deployment_id,
+                 self.settings.control_addr, self.pub_addr)
 
     async def run(self) -> int:
         self._install_signal_handlers()
@@ -184,7 +191,7 @@ class Coordinator:
 
     async def reply(self, identity: str, msg) -> None:
         """Send one message to one DEALER on the control socket (dropped by ZMQ if it is gone)."""
-        await self.control.send_multipart([identity.encode(), encode(msg)])
+        await self.control.send_multipart([identity.encode(), *frames(self.settings.deployment_id, msg)])
 
     def supervise(self, rank: int) -> None:
         self._supervisors[rank] = asyncio.create_task(self._supervise(rank), name=f"supervise-{rank}")
@@ -303,7 +310,9 @@ class Coordinator:
         await self.scaler.cancel()
         log.info("broadcasting Shutdown")
         try:
-            await self.pub.send(encode(Shutdown(drain=True, reason="coordinator shutting down")))
+            await self.pub.send_multipart(
+                frames(self.settings.deployment_id, Shutdown(drain=True, reason="coordinator shutting down"))
+            )
         except zmq.ZMQError:
             pass
         if self.launcher is not None:
@@ -321,15 +330,26 @@ class Coordinator:
 
     async def _control_loop(self) -> None:
         while True:
-            identity, data = await self.control.recv_multipart()
+            identity, *parts = await self.control.recv_multipart()
+            envelope = split(parts)
+            if envelope is None:
+                if identity not in self._unenveloped_from:
+                    self._unenveloped_from.add(identity)
+                    log.warning("dropped a message of %d frames from %r: not a dpserve peer of this release",
+                                len(parts), identity)
+                continue
+            deployment_id, data = envelope
             try:
                 msg = self._decoder.decode(data)
             except msgspec.DecodeError as e:
                 log.warning("undecodable message from %r: %s", identity, e)
                 continue
+            # A peer started by hand registers before it knows the id; every other message must carry ours.
+            if not self.guard.admits(deployment_id, may_be_unbound=isinstance(msg, _UNBOUND_MESSAGES)):
+                continue
             reply = self._handle(identity.decode(errors="replace"), msg, time.monotonic())
             if reply is not None:
-                await self.control.send_multipart([identity, encode(reply)])
+                await self.control.send_multipart([identity, *frames(self.settings.deployment_id, reply)])
 
     def _handle(self, sender: str, msg, now_s: float):
         registry = self.registry
@@ -391,7 +411,7 @@ class Coordinator:
 
     def _publish(self, msg) -> None:
         try:
-            self.pub.send(encode(msg), flags=zmq.NOBLOCK)
+            self.pub.send_multipart(frames(self.settings.deployment_id, msg), flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("broadcast queue full; dropped %s", type(msg).__name__)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dpserve_shared.envelope import new_deployment_id
+
 
 @dataclasses.dataclass(frozen=True)
 class CoordinatorSettings:
@@ -21,6 +23,8 @@ class CoordinatorSettings:
     max_engine_restarts: int = 3  # per rank
     engine_args: tuple[str, ...] = ()  # passed to every `dpserve-engine` command line
     ready_file: str | None = None  # written (with the topology as JSON) once every rank is READY
+    # On every control and broadcast message (envelope.py); handed to the engines this coordinator starts.
+    deployment_id: str = dataclasses.field(default_factory=new_deployment_id)
 
     @property
     def control_addr(self) -> str:

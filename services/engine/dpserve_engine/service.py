@@ -10,7 +10,10 @@ The busy loop, one iteration:
   3. step the core once if it has work;
   4. send one EngineOutputs per frontend that has outputs, each carrying the current load;
   5. timers: EngineStats when the load changed (at most every 50 ms, and every 1 s), parent-pid watch,
-     registering again when the coordinator's broadcast has been silent for 5 s (a restarted coordinator).
+     registering again when the coordinator's broadcast has been silent for 5 s (a restarted coordinator), exiting
+     when an engine started for a deployment (--deployment-id) has heard nothing from it for --register-timeout-s.
+Control and broadcast messages travel in the deployment's envelope (dpserve_shared/envelope.py): another
+deployment's (a stray Shutdown from a stopping coordinator that reached this engine) are dropped, logged once.
 Heartbeats (every 1 s) come from a thread with a socket of its own, so that a long step (a big prefill on a
 starved CPU can take longer than the coordinator's 10 s engine timeout) never makes a live rank look dead.
 
@@ -41,6 +44,7 @@ import zmq
 
 from dpserve_shared.codec import encode, engine_decoder, from_coordinator_decoder
 from dpserve_shared.engine_flags import add_engine_flags
+from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, DeploymentGuard, deployment_id_from_env, frames, split
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -87,6 +91,7 @@ class ServiceSettings:
     register_timeout_s: float = 120.0
     drain_timeout_s: float = 5.0
     adaptive_threads: bool = False  # threads.py: share the node's cores among the ranks that have work
+    deployment_id: str = ""  # "": adopt the id of the coordinator that accepts this engine (envelope.py)
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------------
@@ -100,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0, help="port of the engine socket; 0 = random")
     parser.add_argument("--register-timeout-s", type=float, default=120.0)
     parser.add_argument("--drain-timeout-s", type=float, default=5.0)
+    parser.add_argument(
+        "--deployment-id", default=deployment_id_from_env(),
+        help=f"the deployment this engine belongs to; control and broadcast messages of any other are ignored "
+             f"(default: ${DEPLOYMENT_ID_ENV}, else that of the coordinator that accepts it)",
+    )
     config = EngineConfig()
     defaults = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     defaults["null_step_time_ms"] = config.null_step_time_s * 1000.0
@@ -135,6 +145,7 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         port=args.port,
         register_timeout_s=args.register_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
+        deployment_id=args.deployment_id,
         adaptive_threads=args.num_threads is None and not args.null_engine and args.device in (None, "cpu"),
     )
 
@@ -190,6 +201,7 @@ class EngineService:
         self._last_counters: EngineLoad | None = None
         self._to_engine = engine_decoder()
         self._from_coordinator = from_coordinator_decoder()
+        self.guard = DeploymentGuard(settings.deployment_id, log, "coordinator link")
         self._heartbeats_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self.threads = ThreadBudget(settings.adaptive_threads)  # its node_ip is set in bind()
@@ -216,10 +228,10 @@ class EngineService:
         """RegisterEngine -> RegisterAck; then subscribe to the coordinator's broadcast."""
         self.control.setsockopt(zmq.IDENTITY, self.engine_id.encode())
         self.control.connect(self.settings.coordinator_addr)
-        self.control.send(encode(self._register_message()))
+        self._send_register()
         log.info("registering with the coordinator at %s as rank %s", self.settings.coordinator_addr, self.rank)
         started = time.monotonic()
-        while not self.control.poll(5000):
+        while True:
             waited = time.monotonic() - started
             if self._exit_now or self._parent_died():
                 raise RegistrationFailed("stopped while waiting for the coordinator")
@@ -227,14 +239,43 @@ class EngineService:
                 raise RegistrationFailed(
                     f"no answer from the coordinator at {self.settings.coordinator_addr} after {waited:.0f} s"
                 )
-            log.info("still waiting for the coordinator at %s (%.0f s)", self.settings.coordinator_addr, waited)
-        ack = self._from_coordinator.decode(self.control.recv())
-        if not isinstance(ack, RegisterAck):
-            raise RegistrationFailed(f"expected RegisterAck, got {type(ack).__name__}")
+            if not self.control.poll(5000):
+                log.info("still waiting for the coordinator at %s (%.0f s)", self.settings.coordinator_addr, waited)
+                continue
+            ack = self._recv_control()
+            if ack is None:
+                continue  # another deployment's, or undecodable
+            if not isinstance(ack, RegisterAck):
+                raise RegistrationFailed(f"expected RegisterAck, got {type(ack).__name__}")
+            break
         if not ack.accepted:
             raise RegistrationFailed(f"the coordinator refused this engine: {ack.error}")
         self._accept(ack)
         log.info("registered as rank %d (engine id %s, pid %d)", self.rank, self.engine_id, os.getpid())
+
+    def _send_register(self) -> None:
+        self.control.send_multipart(frames(self.guard.registration_id, self._register_message()))
+
+    def _send(self, msg) -> None:
+        """One message to the coordinator on the control socket, in this deployment's envelope."""
+        self.control.send_multipart(frames(self.guard.deployment_id, msg))
+
+    def _recv_control(self):
+        """The next control message if it is this deployment's (an unbound engine adopts the id of the coordinator
+        that accepts it); None for another deployment's or an undecodable one."""
+        envelope = split(self.control.recv_multipart())
+        if envelope is None:
+            log.warning("dropped a control message that is not in a dpserve envelope")
+            return None
+        deployment_id, data = envelope
+        try:
+            msg = self._from_coordinator.decode(data)
+        except msgspec.DecodeError as e:
+            log.warning("undecodable control message: %s", e)
+            return None
+        if isinstance(msg, RegisterAck) and msg.accepted:
+            self.guard.adopt(deployment_id)
+        return msg if self.guard.admits(deployment_id) else None
 
     def _register_message(self) -> RegisterEngine:
         return RegisterEngine(
@@ -268,6 +309,15 @@ class EngineService:
     def _check_coordinator(self, now: float) -> None:
         """A coordinator silent on its broadcast may have restarted: register again (same id and rank)."""
         self._drain_sub()  # what arrived during a long step counts: silence is judged on a drained socket
+        silent_s = now - self._last_broadcast_s
+        if self.guard.pinned and silent_s > self.settings.register_timeout_s and not self._exit_now:
+            # Its deployment is gone (a coordinator that died without its teardown): nobody routes to this
+            # engine, and whoever holds the port now is another deployment, which ignores it. Do not linger.
+            log.error("no broadcast from deployment %s for %.0f s: its coordinator is gone; exiting",
+                      self.guard.deployment_id, silent_s)
+            self._exit_now = True
+            self._exit_code = 1
+            return
         if now - self._last_broadcast_s < COORDINATOR_SILENCE_S or now - self._last_register_s < COORDINATOR_SILENCE_S:
             return
         log.warning(
@@ -276,7 +326,7 @@ class EngineService:
             self.settings.coordinator_addr,
         )
         self._last_register_s = now
-        self.control.send(encode(self._register_message()))
+        self._send_register()
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -333,7 +383,8 @@ class EngineService:
         sock.connect(self.settings.coordinator_addr)
         try:
             while not self._heartbeats_stop.wait(HEARTBEAT_INTERVAL_S):
-                sock.send(encode(Heartbeat(self.engine_id, time.time())), zmq.NOBLOCK)
+                sock.send_multipart(frames(self.guard.deployment_id, Heartbeat(self.engine_id, time.time())),
+                                    zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the context is closing
         finally:
@@ -401,17 +452,19 @@ class EngineService:
         self._request_frontend[request_id] = identity
         start = self.waves.on_request(request.wave)
         if start is not None:
-            self.control.send(encode(start))
+            self._send(start)
 
     def _drain_sub(self) -> None:
         while True:
             try:
-                data = self.sub.recv(zmq.NOBLOCK)
+                envelope = split(self.sub.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
+            if envelope is None or not self.guard.admits(envelope[0]):
+                continue  # not this deployment's coordinator: it does not count as a sign of life either
             self._last_broadcast_s = time.monotonic()
             try:
-                msg = self._from_coordinator.decode(data)
+                msg = self._from_coordinator.decode(envelope[1])
             except msgspec.DecodeError as e:
                 log.warning("undecodable broadcast: %s", e)
                 continue
@@ -438,16 +491,8 @@ class EngineService:
                 self._on_shutdown(msg)
 
     def _drain_control(self) -> None:
-        while True:
-            try:
-                data = self.control.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = self._from_coordinator.decode(data)
-            except msgspec.DecodeError as e:
-                log.warning("undecodable control message: %s", e)
-                continue
+        while self.control.poll(0):
+            msg = self._recv_control()
             if isinstance(msg, Shutdown):
                 self._on_shutdown(msg)
             elif isinstance(msg, RegisterAck):
@@ -516,7 +561,7 @@ class EngineService:
         if force_counters and not changed:
             changed = self._last_counters is None or load != self._last_counters
         if changed and (force_counters or now - self._last_stats_s >= STATS_MIN_INTERVAL_S):
-            self.control.send(encode(EngineStats(load)))
+            self._send(EngineStats(load))
             self._last_stats_key = key
             self._last_stats_s = now
             self._last_counters = load
@@ -533,7 +578,8 @@ class EngineService:
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=2 * HEARTBEAT_INTERVAL_S)
         try:
-            self.control.send(encode(Unregister(self.engine_id, "exiting")), zmq.NOBLOCK)
+            self.control.send_multipart(frames(self.guard.deployment_id, Unregister(self.engine_id, "exiting")),
+                                        zmq.NOBLOCK)
             time.sleep(0.05)  # let the unregister leave before the socket closes
         except zmq.ZMQError:
             pass

@@ -19,7 +19,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 from aiohttp import web
-from dpserve_shared.codec import encode, from_coordinator_decoder
+from dpserve_shared.codec import from_coordinator_decoder
+from dpserve_shared.envelope import frames, split
 from dpserve_shared.schema import MAX_DATA_PARALLEL_SIZE, EngineState, ScaleAck, ScaleRequest
 
 from dpserve_frontend.errors import APIError, BadRequest, ServiceUnavailable
@@ -54,11 +55,11 @@ async def scale_elastic_ep(request: web.Request, state: FrontendState) -> web.Re
     if not state.settings.coordinator_addr:
         raise ServiceUnavailable("this frontend has no coordinator to scale")
     log.info("scale_elastic_ep: asking the coordinator for %d ranks", req.new_data_parallel_size)
-    ack = await _ask_coordinator(state.settings.coordinator_addr, req)
+    ack = await _ask_coordinator(state.settings.coordinator_addr, state.settings.deployment_id, req)
     return json_response({"message": f"Scaled to {ack.data_parallel_size} data parallel engines"})
 
 
-async def _ask_coordinator(addr: str, req: ScaleElasticEpRequest) -> ScaleAck:
+async def _ask_coordinator(addr: str, deployment_id: str, req: ScaleElasticEpRequest) -> ScaleAck:
     """ScaleRequest on a DEALER of its own; the first ack (accepted or refused), then the completion."""
     decoder = from_coordinator_decoder()
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -66,7 +67,9 @@ async def _ask_coordinator(addr: str, req: ScaleElasticEpRequest) -> ScaleAck:
     sock.setsockopt(zmq.IDENTITY, f"scale-http-{uuid.uuid4().hex[:12]}".encode())
     sock.connect(addr)
     try:
-        await sock.send(encode(ScaleRequest(req.new_data_parallel_size, drain_timeout_s=req.drain_timeout)))
+        await sock.send_multipart(
+            frames(deployment_id, ScaleRequest(req.new_data_parallel_size, drain_timeout_s=req.drain_timeout))
+        )
         ack = await _next_ack(sock, decoder, _ACK_TIMEOUT_S)
         if not ack.accepted:
             raise ServiceUnavailable(f"the coordinator refused the scale: {ack.error}")
@@ -83,7 +86,10 @@ async def _next_ack(sock, decoder, timeout_s: float) -> ScaleAck:
     try:
         async with asyncio.timeout(timeout_s):
             while True:
-                message = decoder.decode(await sock.recv())
+                envelope = split(await sock.recv_multipart())
+                if envelope is None:
+                    continue
+                message = decoder.decode(envelope[1])
                 if isinstance(message, ScaleAck):
                     return message
     except TimeoutError:

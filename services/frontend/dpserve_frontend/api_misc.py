@@ -40,12 +40,8 @@ async def list_models(request: web.Request, state: FrontendState) -> web.Respons
 
 async def health(request: web.Request, state: FrontendState) -> web.Response:
     """200 while at least one rank serves ("degraded" if some expected rank does not), 503 otherwise."""
-    serving = state.router.serving_ranks
-    expected = max(state.pool.expected_size, len(serving))
-    if state.is_draining or not serving:
-        status, code = "unavailable", 503
-    else:
-        status, code = ("ok" if len(serving) >= expected else "degraded"), 200
+    status, serving, expected = state.health()
+    code = 503 if status == "unavailable" else 200
     return json_response({"status": status, "serving_ranks": serving, "data_parallel_size": expected}, code)
 
 

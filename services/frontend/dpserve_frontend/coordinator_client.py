@@ -22,7 +22,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dpserve_shared.codec import encode, from_coordinator_decoder
+from dpserve_shared.codec import from_coordinator_decoder
+from dpserve_shared.envelope import DeploymentGuard, frames, split
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -60,6 +61,7 @@ class CoordinatorClient:
         self._on_snapshot = on_snapshot
         self._context = context or zmq.asyncio.Context.instance()
         self._decoder = from_coordinator_decoder()
+        self.guard = DeploymentGuard(settings.deployment_id, log, "coordinator link")
         self._control = self._context.socket(zmq.DEALER)
         self._control.setsockopt(zmq.IDENTITY, settings.frontend_id.encode())
         self._control.setsockopt(zmq.LINGER, 1000)
@@ -70,20 +72,17 @@ class CoordinatorClient:
         self._last_broadcast_s = time.monotonic()
         self._acked = asyncio.Event()
         self.is_registered = False
+        # Set by the first broadcast received: from then on no topology change can be missed (a change made
+        # between the ack and the SUB's connect is only seen with the next broadcast).
+        self.follows_broadcasts = asyncio.Event()
 
     async def register(self) -> RegisterAck:
         """Send RegisterFrontend until the coordinator acks; apply the topology it sends."""
         addr = self._settings.coordinator_addr
-        message = encode(
-            RegisterFrontend(
-                PROTOCOL_VERSION, self._settings.frontend_id, pid=os.getpid(),
-                http_addr=f"{self._settings.host}:{self._settings.port}",
-            )
-        )
         backoff_s, attempt, started = _BACKOFF_START_S, 0, time.monotonic()
         while True:
             attempt += 1
-            await self._control.send(message)
+            await self._send_register()
             ack = await self._wait_for_ack(backoff_s)
             if ack is not None:
                 break
@@ -104,7 +103,7 @@ class CoordinatorClient:
         while (remaining := deadline - time.monotonic()) > 0:
             if not await self._control.poll(int(remaining * 1000) + 1):
                 return None
-            message = self._decode(await self._control.recv())
+            message = await self._recv_control()
             if isinstance(message, RegisterAck):
                 return message
             self._handle(message)
@@ -140,14 +139,34 @@ class CoordinatorClient:
                 await asyncio.sleep(1.0)
 
     def request_start_wave(self, request: StartWaveRequest) -> None:
-        self._control.send(encode(request))
+        self._control.send_multipart(frames(self.guard.deployment_id, request))
 
-    def _decode(self, data: bytes):
+    async def _send_register(self) -> None:
+        message = RegisterFrontend(
+            PROTOCOL_VERSION, self._settings.frontend_id, pid=os.getpid(),
+            http_addr=f"{self._settings.host}:{self._settings.port}",
+        )
+        await self._control.send_multipart(frames(self.guard.registration_id, message))
+
+    def _open(self, parts: list[bytes]):
+        """The message in an envelope if it is this deployment's (an unbound frontend adopts the id of the
+        coordinator that accepts it); None for another deployment's or an undecodable one."""
+        envelope = split(parts)
+        if envelope is None:
+            log.warning("dropped a message from the coordinator's address that is not in a dpserve envelope")
+            return None
+        deployment_id, data = envelope
         try:
-            return self._decoder.decode(data)
+            message = self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             log.error("undecodable message from the coordinator: %s", e)
             return None
+        if isinstance(message, RegisterAck) and message.accepted:
+            self.guard.adopt(deployment_id)
+        return message if self.guard.admits(deployment_id) else None
+
+    async def _recv_control(self):
+        return self._open(await self._control.recv_multipart())
 
     def _handle(self, message) -> None:
         if isinstance(message, LoadSnapshot):
@@ -163,7 +182,7 @@ class CoordinatorClient:
 
     async def _control_loop(self) -> None:
         while True:
-            message = self._decode(await self._control.recv())
+            message = await self._recv_control()
             if message is not None:
                 self._handle(message)
 
@@ -182,10 +201,13 @@ class CoordinatorClient:
             sub = self._sub
             if not await sub.poll(200):
                 continue
-            messages = [self._decode(await sub.recv())]
+            messages = [self._open(await sub.recv_multipart())]
             while await sub.poll(0):
-                messages.append(self._decode(await sub.recv()))
+                messages.append(self._open(await sub.recv_multipart()))
+            if all(m is None for m in messages):
+                continue  # another deployment's broadcast: not a sign of life of ours
             self._last_broadcast_s = time.monotonic()
+            self.follows_broadcasts.set()
             # A burst of snapshots: only the newest matters.
             snapshots = [m for m in messages if isinstance(m, LoadSnapshot)]
             for message in messages:
@@ -198,14 +220,14 @@ class CoordinatorClient:
         interval_s = self._settings.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval_s)
-            await self._control.send(encode(Heartbeat(self._settings.frontend_id, time.time())))
+            await self._control.send_multipart(
+                frames(self.guard.deployment_id, Heartbeat(self._settings.frontend_id, time.time()))
+            )
             silent_s = time.monotonic() - self._last_broadcast_s
             if silent_s > self._settings.coordinator_silence_s:
                 log.warning("no broadcast from the coordinator for %.0f s; registering again", silent_s)
                 self._last_broadcast_s = time.monotonic()
-                await self._control.send(
-                    encode(RegisterFrontend(PROTOCOL_VERSION, self._settings.frontend_id, pid=os.getpid()))
-                )
+                await self._send_register()
 
     async def close(self, reason: str = "shutdown") -> None:
         for task in self._tasks:
@@ -214,7 +236,10 @@ class CoordinatorClient:
         try:
             if self.is_registered:
                 await asyncio.wait_for(
-                    self._control.send(encode(Unregister(self._settings.frontend_id, reason))), timeout=1.0
+                    self._control.send_multipart(
+                        frames(self.guard.deployment_id, Unregister(self._settings.frontend_id, reason))
+                    ),
+                    timeout=1.0,
                 )
         except (TimeoutError, zmq.ZMQError) as e:
             log.warning("could not unregister from the coordinator: %s", e)

@@ -17,7 +17,7 @@ import sys
 import uvloop
 from aiohttp import web
 
-from dpserve_frontend.app import STATE_KEY, init_app
+from dpserve_frontend.app import COORDINATOR_KEY, STATE_KEY, init_app
 from dpserve_frontend.settings import FrontendSettings, settings_from_args
 
 log = logging.getLogger("dpserve_frontend")
@@ -56,12 +56,30 @@ async def serve(settings: FrontendSettings) -> None:
     setup.result()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_port=True)
     await site.start()
-    log.info("frontend %s serving on http://%s:%d", settings.frontend_id, settings.host, settings.port)
+    log.info("frontend %s listening on http://%s:%d", settings.frontend_id, settings.host, settings.port)
+    ready = loop.create_task(_write_ready_file(app, settings.ready_file)) if settings.ready_file else None
     await stop.wait()
+    if ready is not None:
+        ready.cancel()
     state.is_draining = True
     log.info("draining %d in-flight requests (at most %.0f s)", state.num_http_in_flight, settings.drain_timeout_s)
     await runner.cleanup()
     log.info("frontend %s stopped", settings.frontend_id)
+
+
+async def _write_ready_file(app, path: str) -> None:
+    """Writes `path` once this frontend follows the coordinator's broadcasts and every expected rank serves,
+    so `dpserve serve` can tell when all of its API servers (which share one port) are ready."""
+    state = app[STATE_KEY]
+    client = app.get(COORDINATOR_KEY)
+    if client is not None:
+        await client.follows_broadcasts.wait()
+    while state.health()[0] != "ok":
+        await asyncio.sleep(0.05)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(state.settings.frontend_id)
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> None:

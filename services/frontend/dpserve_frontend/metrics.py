@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from dpserve_shared.schema import LoadSnapshot
+from dpserve_shared.schema import EngineState, LoadSnapshot, Topology
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -45,6 +45,7 @@ class _SnapshotCollector:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.snapshot: LoadSnapshot | None = None
+        self.topology: Topology | None = None
 
     def collect(self):
         labels = ["model_name", "engine"]
@@ -61,6 +62,18 @@ class _SnapshotCollector:
                                      "compiled graph (prepared in the background after start-up).", labels=labels)
         wave = GaugeMetricFamily("dpserve:coordinator_wave", "The coordinator's current wave.")
         is_running = GaugeMetricFamily("dpserve:engines_running", "1 while the engines are in a wave.")
+        # One series per rank and state, 1 for the rank's current state: a rank that is gone (DEAD, STARTING
+        # again as its replacement) shows here while it is missing from the routing.
+        states = GaugeMetricFamily("dpserve:engine_state", "1 for each rank's current state in the coordinator's "
+                                   "topology (starting, ready, draining, dead).", labels=[*labels, "state"])
+        target = GaugeMetricFamily("dpserve:data_parallel_size", "The deployment's target number of ranks.")
+        topology = self.topology
+        if topology is not None:
+            for engine in topology.engines:
+                for state in EngineState:
+                    states.add_metric([self.model_name, str(engine.rank), state.value],
+                                      1.0 if engine.state == state else 0.0)
+            target.add_metric([], topology.data_parallel_size)
         snapshot = self.snapshot
         if snapshot is not None:
             for load in snapshot.loads:
@@ -74,7 +87,7 @@ class _SnapshotCollector:
                 compiled.add_metric(values, 1.0 if load.decode_compiled else 0.0)
             wave.add_metric([], snapshot.wave)
             is_running.add_metric([], 1.0 if snapshot.engines_running else 0.0)
-        return [running, waiting, kv, queries, hits, preemptions, compiled, wave, is_running]
+        return [running, waiting, kv, queries, hits, preemptions, compiled, wave, is_running, states, target]
 
 
 def observe_many(histogram, values: list[float]) -> None:
@@ -176,6 +189,9 @@ class FrontendMetrics:
 
     def update_snapshot(self, snapshot: LoadSnapshot) -> None:
         self._snapshot.snapshot = snapshot
+
+    def update_topology(self, topology: Topology) -> None:
+        self._snapshot.topology = topology
 
     def observe_finished(
         self,

@@ -8,6 +8,8 @@ import os
 import socket
 import uuid
 
+from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
+
 ENV_PREFIX = "DPSERVE_"
 API_KEY_ENV = "DPSERVE_API_KEY"
 
@@ -25,6 +27,8 @@ class FrontendSettings:
     heartbeat_interval_s: float = 1.0
     stats_interval_s: float = 10.0  # the periodic per-rank stats log line
     coordinator_silence_s: float = 5.0  # no broadcast for this long: register again (the coordinator restarted)
+    deployment_id: str = ""  # "": adopt the id of the coordinator that accepts this frontend (envelope.py)
+    ready_file: str | None = None  # written once this frontend follows the broadcasts and sees every rank serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGTERM, how long in-flight requests may finish before being aborted (default: 30)")
     parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
                         help="interval of the per-rank stats log line, 0 = off (default: 10)")
+    parser.add_argument(
+        "--deployment-id", default=deployment_id_from_env(),
+        help=f"the deployment this frontend belongs to; coordinator messages of any other are ignored "
+             f"(default: ${DEPLOYMENT_ID_ENV}, else that of the coordinator that accepts it)",
+    )
+    parser.add_argument("--ready-file", default=None, metavar="PATH",
+                        help="written once this frontend follows the coordinator's broadcasts and every expected "
+                             "rank serves (used by dpserve serve)")
     return parser
 
 
@@ -69,5 +81,7 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         log_level=args.log_level,
         drain_timeout_s=args.drain_timeout,
         stats_interval_s=args.stats_interval,
+        ready_file=args.ready_file,
+        deployment_id=args.deployment_id,
         **kwargs,
     )

@@ -55,6 +55,7 @@ class FrontendState:
         if topology.model is not None:
             self.set_model(topology.model)
         self.pool.apply_topology(topology)
+        self.metrics.update_topology(topology)
 
     def apply_snapshot(self, snapshot: LoadSnapshot) -> None:
         if self.snapshot is not None and snapshot.timestamp and snapshot.timestamp < self.snapshot.timestamp:
@@ -68,6 +69,15 @@ class FrontendState:
 
     def _on_engine_load(self, load: EngineLoad) -> None:
         self.engine_loads[load.rank] = load
+
+    def health(self) -> tuple[str, list[int], int]:
+        """(status, serving ranks, expected size): "ok" when every expected rank serves, "degraded" when only
+        some do, "unavailable" while draining or when none does."""
+        serving = self.router.serving_ranks
+        expected = max(self.pool.expected_size, len(serving))
+        if self.is_draining or not serving:
+            return "unavailable", serving, expected
+        return ("ok" if len(serving) >= expected else "degraded"), serving, expected
 
     # -- checks for handlers ----------------------------------------------------------------------------------
 

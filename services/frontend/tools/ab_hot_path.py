@@ -76,7 +76,7 @@ def one_run(label: str, pythonpath: str | None, port: int, args, workdir: Path) 
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while b"serving on" not in (workdir / f"{label}.log").read_bytes():
+        while b"dpserve: serving on" not in (workdir / f"{label}.log").read_bytes():
             if serve.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{label}: dpserve serve did not come up; see {workdir / label}.log")
             time.sleep(0.25)
