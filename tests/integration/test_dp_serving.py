@@ -242,12 +242,29 @@ def _health(server) -> dict:
         return json.load(e)
 
 
-def test_dead_engine_is_routed_around_and_replaced(server):
+def _engine_states(server) -> dict[int, str]:
+    """Each rank's state from /metrics (dpserve:engine_state is 1 for the current one)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        int(sample.labels["engine"]): sample.labels["state"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "dpserve:engine_state" and sample.value == 1.0
+    }
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "left"])
+def test_dead_engine_is_routed_around_and_replaced(server, how):
+    """A rank whose process is killed, or that leaves on its own (SIGTERM: it drains, unregisters and exits; no
+    scale-down asked for it), is DEAD: routed around, shown in /health and /metrics, and replaced."""
     model = _model(server)
     old_pid = _engine_pid(server, 1)
     assert old_pid is not None
-    os.kill(old_pid, signal.SIGKILL)
-    seen_degraded = False
+    os.kill(old_pid, how)
+    seen_degraded = seen_gone_in_metrics = False
     deadline = time.monotonic() + 180
     while True:
         health = _health(server)
@@ -256,12 +273,16 @@ def test_dead_engine_is_routed_around_and_replaced(server):
             assert health["serving_ranks"] == [0]
             body = _post(server, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2})
             assert body["choices"][0]["finish_reason"] in ("length", "stop")
+        if not seen_gone_in_metrics:
+            states = _engine_states(server)
+            seen_gone_in_metrics = states.get(0) == "ready" and states.get(1) in ("dead", "starting")
         new_pid = _engine_pid(server, 1)
         if health["status"] == "ok" and new_pid not in (None, old_pid):
             break
         assert time.monotonic() < deadline, f"rank 1 not replaced: {health}"
         time.sleep(0.1)
     assert seen_degraded, "/health never reported the dead rank"
+    assert seen_gone_in_metrics, "/metrics never showed rank 1 dead or starting"
     body = _post(server, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2},
                  {"X-data-parallel-rank": "1"})
     assert body["choices"][0]["text"] is not None
