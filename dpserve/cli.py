@@ -40,24 +40,37 @@ class UsageError(Exception):
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    parser.add_argument(
-        "--data-parallel-size-local", "-dpl", type=int, default=None, help="ranks on this node (default: all)"
-    )
-    parser.add_argument("--data-parallel-address", default="127.0.0.1", help="the coordinator's address")
-    parser.add_argument("--data-parallel-rpc-port", type=int, default=29550, help="the coordinator's control port")
-    parser.add_argument("--data-parallel-backend", choices=["ray", "mp"], default="ray")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine ranks, each a full copy of the model (default: %(default)s)")
+    parser.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                        help="ranks on this node; the rest go to other Ray nodes (default: all)")
+    parser.add_argument("--data-parallel-address", default="127.0.0.1",
+                        help="address the coordinator binds and engines/API servers reach it at; on a cluster, "
+                             "this node's address (default: %(default)s)")
+    parser.add_argument("--data-parallel-rpc-port", type=int, default=29550,
+                        help="the coordinator's control port; change it to run two deployments on one host "
+                             "(default: %(default)s)")
+    parser.add_argument("--data-parallel-backend", choices=["ray", "mp"], default="ray",
+                        help="ray: engine ranks as Ray actors in placement groups (a local Ray instance unless "
+                             "--ray-address); mp: local child processes, no Ray (default: %(default)s)")
     parser.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local instance)")
     parser.add_argument("--ray-temp-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--ray-wait-for-nodes-s", type=float, default=None, help="with --ray-address: wait this long for nodes to join"
     )
-    parser.add_argument("--api-server-count", type=int, default=1)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="OpenAI API server processes sharing --port (default: %(default)s)")
+    parser.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $DPSERVE_API_KEY if set, "
+                             "else none)")
+    parser.add_argument("--strict-request-fields", action="store_true",
+                        help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
+                             "name them once in the log, as vLLM does)")
     parser.add_argument("--engine-startup-timeout-s", type=float, default=600.0,
-        help="how long ranks may take to load, compile and register (a first start compiles for minutes)")
+        help="how long ranks may take to load, compile and register (a first start compiles for minutes; "
+             "default: %(default)s)")
     add_engine_flags(parser)
 
 
@@ -128,6 +141,8 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
     ]  # fmt: skip
     if args.api_key:
         cmd += ["--api-key", args.api_key]
+    if args.strict_request_fields:
+        cmd += ["--strict-request-fields"]
     if ready_file:
         cmd += ["--ready-file", ready_file]
     if deployment_id:

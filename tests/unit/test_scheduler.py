@@ -96,3 +96,33 @@ def test_random_workload_never_deadlocks():
     done, _ = run_to_end(sched, max_steps=5000)
     assert len(done) == 30 and all(s.status == SequenceStatus.FINISHED for s in seqs)
     assert sched.block_manager.num_free_blocks == 12
+
+
+def _same_prompt(sched, rid, prompt, max_tokens=2, arrival=0):
+    seq = Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens), arrival)
+    sched.add(seq)
+    return seq
+
+
+def test_identical_prompts_arriving_together_are_prefilled_once():
+    """Four copies of a 17-token prompt (4 full blocks + 1): the first computes it; the others wait one step and
+    take its blocks from the prefix cache, computing only the last token. Distinct prompts are not held back."""
+    sched = make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=64)
+    prompt = [(5 * i + 3) % 97 for i in range(17)]
+    copies = [_same_prompt(sched, f"same{i}", prompt, arrival=i) for i in range(4)]
+    first = sched.schedule()
+    assert [(s.request_id, n) for s, n in zip(first.seqs, first.num_tokens)] == [("same0", 17)]
+    fake_step(sched, first)
+    second = sched.schedule()
+    assert sorted((s.request_id, n) for s, n in zip(second.seqs, second.num_tokens)) == [
+        ("same0", 1), ("same1", 1), ("same2", 1), ("same3", 1)
+    ]
+    assert all(c.num_cached_tokens == 16 for c in copies[1:])
+    done, _ = run_to_end(sched)
+    assert {s.request_id for s in done} == {c.request_id for c in copies}
+    assert sched.block_manager.num_free_blocks == 64
+
+    other = make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=64)
+    distinct = [add(other, f"d{i}", 17, arrival=i) for i in range(4)]
+    batch = other.schedule()
+    assert batch.num_tokens == [17, 17, 17, 13] and batch.seqs == distinct  # the budget, not a prefix, stops d3

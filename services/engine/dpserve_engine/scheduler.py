@@ -7,7 +7,9 @@ running sequence (its blocks are freed and it goes back to the front of the wait
 prompt plus generated tokens); if it is itself the most recent one, it preempts itself. Then, if nothing was
 preempted, waiting sequences are admitted in arrival order while budget, `max_num_seqs` and free blocks allow:
 each shares its cached prefix blocks and takes a prefill chunk of the rest. Admission stops at the first
-sequence that does not fit (FIFO, no overtaking). Since add_request refuses a request whose prompt + max_tokens
+sequence that does not fit (FIFO, no overtaking), and at the first whose next prompt block a running sequence
+is computing right now: it joins a step later with that block from the prefix cache (32 identical prompts cost
+one prefill, not 32). Since add_request refuses a request whose prompt + max_tokens
 needs more blocks than exist, the oldest running sequence can always make progress: no deadlock, no loss.
 """
 
@@ -83,11 +85,32 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _in_flight_blocks(self) -> set[int]:
+        """Hashes of the full prompt blocks that running sequences have still to compute (not cached yet)."""
+        if not self.block_manager.enable_prefix_caching:
+            return set()
+        bs = self.block_manager.block_size
+        pending: set[int] = set()
+        for seq in self.running:
+            if seq.is_prefilling:
+                pending.update(seq.block_hashes[seq.num_computed_tokens // bs :])
+        return pending
+
+    def _waits_for_prefix(self, seq: Sequence, num_cached: int, pending: set[int]) -> bool:
+        """The next block of seq's prompt is being computed by a running sequence: seq is admitted once it is in
+        the prefix cache (a step or a chunk later) instead of computing the same tokens beside it."""
+        k = num_cached // self.block_manager.block_size
+        return not seq.wants_prompt_logprobs and k < len(seq.block_hashes) and seq.block_hashes[k] in pending
+
     def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
         admitted = []
+        pending = self._in_flight_blocks()
+        bs = self.block_manager.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_cached = self.block_manager.num_cached_tokens(seq)
+            if pending and self._waits_for_prefix(seq, num_cached, pending):
+                break  # FIFO: the ones behind it wait too (one step; identical prompts would share anyway)
             num_tokens = min(len(seq) - num_cached, budget)
             if not self.block_manager.can_allocate(seq, num_tokens):
                 break
@@ -99,6 +122,8 @@ class Scheduler:
             self.running.append(seq)
             admitted.append((seq, num_tokens))
             budget -= num_tokens
+            if self.block_manager.enable_prefix_caching and seq.num_uncomputed_tokens > 1:
+                pending.update(seq.block_hashes[seq.num_computed_tokens // bs :])
         return admitted
 
     def finish(self, seq: Sequence) -> None:

@@ -45,6 +45,16 @@ async def health(request: web.Request, state: FrontendState) -> web.Response:
     return json_response({"status": status, "serving_ranks": serving, "data_parallel_size": expected}, code)
 
 
+async def ping(request: web.Request, state: FrontendState) -> web.Response:
+    """vLLM's /ping: /health's status code with an empty body."""
+    return web.Response(status=503 if state.health()[0] == "unavailable" else 200)
+
+
+async def load(request: web.Request, state: FrontendState) -> web.Response:
+    """vLLM's /load: the HTTP requests this API server is handling now (one of several behind the port)."""
+    return json_response({"server_load": max(0, state.num_http_in_flight - 1)})  # not counting itself
+
+
 async def tokenize(request: web.Request, state: FrontendState) -> web.Response:
     req = await read_request(request, TokenizeRequest)
     info, tok = state.require_model(req.model)

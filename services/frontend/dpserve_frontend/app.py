@@ -15,6 +15,7 @@ from dpserve_shared.schema import ModelInfo
 from dpserve_frontend import api_admin, api_chat, api_completions, api_misc
 from dpserve_frontend.coordinator_client import CoordinatorClient
 from dpserve_frontend.errors import Unauthorized, error_middleware
+from dpserve_frontend.http_util import STRICT_FIELDS_KEY
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.state import FrontendState
 
@@ -134,6 +135,7 @@ def init_app(settings: FrontendSettings, model_info: ModelInfo | None = None) ->
         middlewares.append(_auth_middleware(settings.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[STATE_KEY] = FrontendState(settings, model_info)
+    app[STRICT_FIELDS_KEY] = settings.strict_request_fields
     app.cleanup_ctx.append(_coordinator_ctx)
     app.cleanup_ctx.append(_engines_ctx)  # closed before the coordinator link: aborts go out, then Unregister
     app.cleanup_ctx.append(_stats_log_ctx)
@@ -141,6 +143,9 @@ def init_app(settings: FrontendSettings, model_info: ModelInfo | None = None) ->
     app.router.add_post("/v1/chat/completions", _bind(api_chat.create_chat_completion))
     app.router.add_get("/v1/models", _bind(api_misc.list_models))
     app.router.add_get("/health", _bind(api_misc.health))
+    app.router.add_get("/ping", _bind(api_misc.ping))  # vLLM's (SageMaker's) liveness probe
+    app.router.add_post("/ping", _bind(api_misc.ping))
+    app.router.add_get("/load", _bind(api_misc.load))
     app.router.add_post("/tokenize", _bind(api_misc.tokenize))
     app.router.add_post("/detokenize", _bind(api_misc.detokenize))
     app.router.add_get("/version", _bind(api_misc.version))

@@ -15,12 +15,15 @@ RANK_HEADER = "X-data-parallel-rank"
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
+STRICT_FIELDS_KEY = web.AppKey("strict_request_fields", bool)
+
+
 async def read_request(request: web.Request, struct: type):
     if request.content_type != "application/json":
         raise UnsupportedMediaType(
             f"Unsupported Media Type: only 'application/json' is allowed, got {request.content_type!r}"
         )
-    return decode_body(await request.read(), struct)
+    return decode_body(await request.read(), struct, strict=request.app.get(STRICT_FIELDS_KEY, False))
 
 
 def json_response(obj, status: int = 200) -> web.Response:

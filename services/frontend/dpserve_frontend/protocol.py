@@ -1,18 +1,23 @@
 """OpenAI request bodies as msgspec Structs, and their validation. Pure: no I/O.
 
-Decoding checks JSON syntax, types and unknown fields (OpenAI rejects unknown top-level parameters; vLLM's
-extensions such as `top_k`, `min_p`, `ignore_eos` are known here). `check_*` functions then check values and
-ranges. Every failure is a `BadRequest` naming the parameter, raised before anything reaches an engine.
+Decoding checks JSON syntax and types (vLLM's extensions such as `top_k`, `min_p`, `ignore_eos` are known
+here). Unknown fields, at any depth, are ignored and named once in the log, as vLLM does (SDKs and frameworks send
+vendor fields); with `strict=True` (`--strict-request-fields`) they are a 400, as OpenAI answers. `check_*`
+functions then check values and ranges. Every failure is a `BadRequest` naming the parameter, raised before
+anything reaches an engine.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Annotated, Any
 
 import msgspec
 
 from dpserve_frontend.errors import BadRequest
+
+log = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
@@ -129,30 +134,83 @@ class DetokenizeRequest(_Request):
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
 
-def decode_body(body: bytes, struct: type) -> Any:
-    """JSON bytes -> a request Struct, or BadRequest with OpenAI's wording and the offending parameter."""
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+_MAX_IGNORED_FIELDS = 64
+_reported_ignored: set[tuple[str, ...]] = set()
+
+
+def decode_body(body: bytes, struct: type, strict: bool = False) -> Any:
+    """JSON bytes -> a request Struct, or BadRequest with OpenAI's wording and the offending parameter.
+    Unknown fields are dropped (logged once per set of names) unless `strict`."""
     if not body.strip():
         raise BadRequest("the request body is empty; send a JSON object")
     try:
         return msgspec.json.decode(body, type=struct)
     except msgspec.ValidationError as e:
-        text = str(e)
-        match = _PATH.search(text)
-        param = match.group(1) if match else None
-        unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
-        if unknown:
-            field = unknown.group(1)
-            at = f"{param}." if param else ""
-            raise BadRequest(f"Unrecognized request argument supplied: {at}{field}", param=f"{at}{field}") from None
-        if "missing required field" in text:
-            missing = re.search(r"missing required field `([^`]*)`", text)
-            if missing:
-                param = f"{param}.{missing.group(1)}" if param else missing.group(1)
-        if text.startswith("Expected `object`") and param is None:
-            raise BadRequest("the request body must be a JSON object") from None
-        raise BadRequest(f"invalid request: {text}", param=param or None) from None
+        if strict or not _UNKNOWN.match(str(e)):
+            raise _bad_request(e) from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"We could not parse the JSON body of your request: {e}") from None
+    return _decode_ignoring_unknown(body, struct)
+
+
+def _decode_ignoring_unknown(body: bytes, struct: type) -> Any:
+    """The slow path, for a body with unknown fields: drop each one where msgspec finds it, and decode again."""
+    data = msgspec.json.decode(body)
+    ignored: list[str] = []
+    while True:
+        try:
+            result = msgspec.convert(data, struct)
+            break
+        except msgspec.ValidationError as e:
+            text = str(e)
+            unknown = _UNKNOWN.match(text)
+            container = _at_path(data, _param(text)) if unknown else None
+            if not isinstance(container, dict) or len(ignored) >= _MAX_IGNORED_FIELDS:
+                raise _bad_request(e) from None
+            field = unknown.group(1)
+            container.pop(field, None)
+            at = _param(text)
+            ignored.append(f"{at}.{field}" if at else field)
+    names = tuple(sorted(ignored))
+    if names not in _reported_ignored:
+        _reported_ignored.add(names)
+        log.warning("ignored request fields this server does not know: %s (logged once for this set; "
+                    "--strict-request-fields makes them a 400)", ", ".join(names))
+    return result
+
+
+def _param(text: str) -> str | None:
+    match = _PATH.search(text)
+    return match.group(1) if match else None
+
+
+def _at_path(data: Any, path: str | None) -> Any:
+    """The value at a msgspec error path such as `messages[0].content` (the whole body for None)."""
+    for name, index in _PATH_PART.findall(path or ""):
+        try:
+            data = data[int(index)] if index else data[name]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
+
+
+def _bad_request(e: msgspec.ValidationError) -> BadRequest:
+    text = str(e)
+    param = _param(text)
+    unknown = _UNKNOWN.match(text)
+    if unknown:
+        field = unknown.group(1)
+        at = f"{param}." if param else ""
+        return BadRequest(f"Unrecognized request argument supplied: {at}{field}", param=f"{at}{field}")
+    if "missing required field" in text:
+        missing = re.search(r"missing required field `([^`]*)`", text)
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+    if text.startswith("Expected `object`") and param is None:
+        return BadRequest("the request body must be a JSON object")
+    return BadRequest(f"invalid request: {text}", param=param or None)
 
 
 # ------------------------------------------------------------------------------------------------------------

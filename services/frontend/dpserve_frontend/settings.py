@@ -28,6 +28,7 @@ class FrontendSettings:
     stats_interval_s: float = 10.0  # the periodic per-rank stats log line
     coordinator_silence_s: float = 5.0  # no broadcast for this long: register again (the coordinator restarted)
     deployment_id: str = ""  # "": adopt the id of the coordinator that accepts this frontend (envelope.py)
+    strict_request_fields: bool = False  # unknown request fields: a 400 (OpenAI) instead of ignored (vLLM)
     ready_file: str | None = None  # written once this frontend follows the broadcasts and sees every rank serve
 
 
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the deployment this frontend belongs to; coordinator messages of any other are ignored "
              f"(default: ${DEPLOYMENT_ID_ENV}, else that of the coordinator that accepts it)",
     )
+    parser.add_argument("--strict-request-fields", action="store_true",
+                        help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
+                             "name them once in the log, as vLLM does)")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="written once this frontend follows the coordinator's broadcasts and every expected "
                              "rank serves (used by dpserve serve)")
@@ -82,6 +86,7 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         drain_timeout_s=args.drain_timeout,
         stats_interval_s=args.stats_interval,
         ready_file=args.ready_file,
+        strict_request_fields=args.strict_request_fields,
         deployment_id=args.deployment_id,
         **kwargs,
     )
