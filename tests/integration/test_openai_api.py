@@ -188,7 +188,7 @@ def test_sse_framing_raw(server, model):
     ({"prompt": "x", "seed": 2**64}, 400, "seed"),
     ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": [10**8]}, 400, "prompt"),
-    ({"prompt": "x", "nonsense": True}, 400, "nonsense"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "word " * 3000}, 400, "prompt"),
     ({"prompt": "x", "model": "no-such-model"}, 404, "model"),
@@ -203,6 +203,13 @@ def test_validation_errors(server, model, body, status, param):
     got, _, raw = http(server, "POST", "/v1/completions", b"prompt=x", {"Content-Type": "text/plain"})
     assert got == 415
     assert http(server, "GET", "/health")[0] == 200  # still serving
+
+
+def test_unknown_request_fields_are_ignored(client, model):
+    """Vendor fields an SDK sends (`extra_body`) are ignored, as vLLM does, not a 400."""
+    completion = client.completions.create(model=model, prompt="x", max_tokens=1,
+                                           extra_body={"vendor_field": {"a": 1}, "priority": 0})
+    assert completion.usage.completion_tokens == 1
 
 
 def test_openai_client_errors(client, model):
