@@ -15,6 +15,7 @@ see each other's half-written file. A build takes ~15-30 s on 2 cores; later sta
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -44,7 +45,33 @@ def load(cache_dir: str) -> str:
         return _loaded
 
 
-def _flags() -> list[str]:
+def _flags(out_dir: Path) -> list[str]:
+    """The compiler flags for this CPU: inductor's ISA pick, kept in `out_dir` per CPU and torch version, since
+    importing inductor costs ~2 s of a rank's start-up (the compiled decode step imports it later, in the
+    background, once the rank is serving)."""
+    from dpserve_engine.cpu_paths import detect
+
+    cpu = detect()
+    key = hashlib.sha256(
+        "\n".join([torch.__version__, cpu.capability, " ".join(sorted(cpu.flags))]).encode()
+    ).hexdigest()[:16]
+    path = out_dir / f"flags_{key}.json"
+    try:
+        flags = json.loads(path.read_text())
+        if isinstance(flags, list) and all(isinstance(f, str) for f in flags):
+            return flags
+    except (OSError, ValueError):
+        pass
+    flags = _inductor_flags()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=out_dir)
+    with os.fdopen(fd, "w") as f:
+        json.dump(flags, f)
+    os.replace(tmp, path)
+    return flags
+
+
+def _inductor_flags() -> list[str]:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()
@@ -64,7 +91,7 @@ def _build(out_dir: Path) -> str:
 
     source = "\n".join(p.read_text() for p in _SOURCES)
     cxx = os.environ.get("CXX", "g++")
-    flags = _flags()
+    flags = _flags(out_dir)
     key = hashlib.sha256("\n".join([source, torch.__version__, cxx, *flags]).encode()).hexdigest()[:16]
     out = out_dir / f"dpserve_kernels_{key}.so"
     if out.exists():

@@ -280,8 +280,11 @@ class RMSNorm(nn.Module):
 def rope_tables(args: ModelArgs) -> tuple[Tensor, Tensor]:
     """cos, signed sin: [max_seq_len, head_dim] for the rotate_half layout (HF order): cos = [c, c] and
     sin = [-s, s], so that rotate_half(x) * [s, s] == swap_halves(x) * [-s, s] (apply_rope)."""
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
-    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), inv_freq)
+    # on the CPU, even under build_model's meta device (where arange goes through torch._refs and imports dynamo)
+    inv_freq = 1.0 / (
+        args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64, device="cpu") / args.head_dim)
+    )
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64, device="cpu"), inv_freq)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
 
@@ -413,7 +416,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.args, self.prec = args, prec
         embedding_dtype = prec.head if args.tie_embeddings else prec.act  # tied: the fp32 head doubles as embedding
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, dtype=embedding_dtype)
+        # `_weight`: no random init (build_model fills it); on the meta device nn.Embedding's normal_ goes through
+        # torch._refs, which imports dynamo: ~2 s of a rank's start-up, now spent in the background compile.
+        self.tok_embeddings = nn.Embedding(
+            args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim, dtype=embedding_dtype)
+        )
         self.tok_embeddings.weight.requires_grad_(False)
         self.layers = nn.ModuleList(TransformerBlock(args, prec) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
