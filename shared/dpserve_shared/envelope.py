@@ -20,7 +20,10 @@ import os
 import uuid
 from typing import Any
 
+import msgspec
+
 from dpserve_shared.codec import encode
+from dpserve_shared.schema import RegisterAck
 
 DEPLOYMENT_ID_ENV = "DPSERVE_DEPLOYMENT_ID"
 
@@ -75,6 +78,23 @@ class DeploymentGuard:
                 self._what, sender_id or "(unbound)", self.deployment_id,
             )
         return False
+
+    def open(self, parts: list[bytes], decoder: Any, what: str = "message from the coordinator") -> Any:
+        """The message in `parts` if it is this deployment's, else None (not enveloped, undecodable: logged; another
+        deployment's: logged once). An accepted RegisterAck first makes an unpinned peer adopt its sender's id."""
+        envelope = split(parts)
+        if envelope is None:
+            self._log.warning("dropped a %s that is not in a dpserve envelope", what)
+            return None
+        deployment_id, data = envelope
+        try:
+            message = decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._log.error("undecodable %s: %s", what, e)
+            return None
+        if isinstance(message, RegisterAck) and message.accepted:
+            self.adopt(deployment_id)
+        return message if self.admits(deployment_id) else None
 
     def adopt(self, deployment_id: str) -> None:
         """An accepted RegisterAck: an unpinned peer follows the deployment that accepted it."""

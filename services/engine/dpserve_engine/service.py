@@ -263,19 +263,7 @@ class EngineService:
     def _recv_control(self):
         """The next control message if it is this deployment's (an unbound engine adopts the id of the coordinator
         that accepts it); None for another deployment's or an undecodable one."""
-        envelope = split(self.control.recv_multipart())
-        if envelope is None:
-            log.warning("dropped a control message that is not in a dpserve envelope")
-            return None
-        deployment_id, data = envelope
-        try:
-            msg = self._from_coordinator.decode(data)
-        except msgspec.DecodeError as e:
-            log.warning("undecodable control message: %s", e)
-            return None
-        if isinstance(msg, RegisterAck) and msg.accepted:
-            self.guard.adopt(deployment_id)
-        return msg if self.guard.admits(deployment_id) else None
+        return self.guard.open(self.control.recv_multipart(), self._from_coordinator, "control message")
 
     def _register_message(self) -> RegisterEngine:
         return RegisterEngine(

@@ -18,12 +18,11 @@ import os
 import time
 from collections.abc import Callable
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from dpserve_shared.codec import from_coordinator_decoder
-from dpserve_shared.envelope import DeploymentGuard, frames, split
+from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -149,21 +148,9 @@ class CoordinatorClient:
         await self._control.send_multipart(frames(self.guard.registration_id, message))
 
     def _open(self, parts: list[bytes]):
-        """The message in an envelope if it is this deployment's (an unbound frontend adopts the id of the
-        coordinator that accepts it); None for another deployment's or an undecodable one."""
-        envelope = split(parts)
-        if envelope is None:
-            log.warning("dropped a message from the coordinator's address that is not in a dpserve envelope")
-            return None
-        deployment_id, data = envelope
-        try:
-            message = self._decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.error("undecodable message from the coordinator: %s", e)
-            return None
-        if isinstance(message, RegisterAck) and message.accepted:
-            self.guard.adopt(deployment_id)
-        return message if self.guard.admits(deployment_id) else None
+        """The message if it is this deployment's (an unbound frontend adopts the id of the coordinator that
+        accepts it); None for another deployment's or an undecodable one."""
+        return self.guard.open(parts, self._decoder)
 
     async def _recv_control(self):
         return self._open(await self._control.recv_multipart())
