@@ -59,6 +59,7 @@ class DeploymentGuard:
         self._log = log
         self._what = what
         self._reported: set[str] = set()
+        self._reported_unenveloped = False
         self.num_dropped = 0
 
     @property
@@ -79,12 +80,18 @@ class DeploymentGuard:
             )
         return False
 
-    def open(self, parts: list[bytes], decoder: Any, what: str = "message from the coordinator") -> Any:
-        """The message in `parts` if it is this deployment's, else None (not enveloped, undecodable: logged; another
-        deployment's: logged once). An accepted RegisterAck first makes an unpinned peer adopt its sender's id."""
+    def open(
+        self, parts: list[bytes], decoder: Any, what: str = "message from the coordinator", unbound_ok: tuple = ()
+    ) -> Any:
+        """The message in `parts` if it is this deployment's, else None (undecodable: logged; not enveloped or
+        another deployment's: logged once). An accepted RegisterAck first makes an unpinned peer adopt its
+        sender's id; messages of the `unbound_ok` types may come with an empty id (a peer started by hand)."""
         envelope = split(parts)
         if envelope is None:
-            self._log.warning("dropped a %s that is not in a dpserve envelope", what)
+            if not self._reported_unenveloped:
+                self._reported_unenveloped = True
+                self._log.warning("dropped a %s of %d frames on the %s: not a dpserve peer of this release; "
+                                  "further ones are dropped silently", what, len(parts), self._what)
             return None
         deployment_id, data = envelope
         try:
@@ -94,7 +101,7 @@ class DeploymentGuard:
             return None
         if isinstance(message, RegisterAck) and message.accepted:
             self.adopt(deployment_id)
-        return message if self.admits(deployment_id) else None
+        return message if self.admits(deployment_id, may_be_unbound=isinstance(message, unbound_ok)) else None
 
     def adopt(self, deployment_id: str) -> None:
         """An accepted RegisterAck: an unpinned peer follows the deployment that accepted it."""

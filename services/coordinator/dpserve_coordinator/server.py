@@ -22,12 +22,11 @@ import os
 import signal
 import time
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from dpserve_shared.codec import coordinator_decoder
-from dpserve_shared.envelope import DeploymentGuard, frames, split
+from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import (
     EngineState,
     EngineStats,
@@ -93,7 +92,6 @@ class Coordinator:
         self.waves = CoordinatorWaves()
         self._decoder = coordinator_decoder()
         self.guard = DeploymentGuard(settings.deployment_id, log, "control socket")
-        self._unenveloped_from: set[bytes] = set()
         self._stopping = asyncio.Event()
         self._num_signals = 0
         self._published_epoch = -1
@@ -331,21 +329,9 @@ class Coordinator:
     async def _control_loop(self) -> None:
         while True:
             identity, *parts = await self.control.recv_multipart()
-            envelope = split(parts)
-            if envelope is None:
-                if identity not in self._unenveloped_from:
-                    self._unenveloped_from.add(identity)
-                    log.warning("dropped a message of %d frames from %r: not a dpserve peer of this release",
-                                len(parts), identity)
-                continue
-            deployment_id, data = envelope
-            try:
-                msg = self._decoder.decode(data)
-            except msgspec.DecodeError as e:
-                log.warning("undecodable message from %r: %s", identity, e)
-                continue
             # A peer started by hand registers before it knows the id; every other message must carry ours.
-            if not self.guard.admits(deployment_id, may_be_unbound=isinstance(msg, _UNBOUND_MESSAGES)):
+            msg = self.guard.open(parts, self._decoder, f"message from {identity!r}", unbound_ok=_UNBOUND_MESSAGES)
+            if msg is None:
                 continue
             reply = self._handle(identity.decode(errors="replace"), msg, time.monotonic())
             if reply is not None:

@@ -104,6 +104,8 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
         admitted = []
+        if not self.waiting:
+            return admitted  # most steps: nothing to admit, no need to look at what is in flight
         pending = self._in_flight_blocks()
         bs = self.block_manager.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

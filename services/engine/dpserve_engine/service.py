@@ -44,7 +44,7 @@ import zmq
 
 from dpserve_shared.codec import encode, engine_decoder, from_coordinator_decoder
 from dpserve_shared.engine_flags import add_engine_flags
-from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, DeploymentGuard, deployment_id_from_env, frames, split
+from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, DeploymentGuard, deployment_id_from_env, frames
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -445,17 +445,13 @@ class EngineService:
     def _drain_sub(self) -> None:
         while True:
             try:
-                envelope = split(self.sub.recv_multipart(zmq.NOBLOCK))
+                parts = self.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if envelope is None or not self.guard.admits(envelope[0]):
+            msg = self.guard.open(parts, self._from_coordinator, "broadcast")
+            if msg is None:
                 continue  # not this deployment's coordinator: it does not count as a sign of life either
             self._last_broadcast_s = time.monotonic()
-            try:
-                msg = self._from_coordinator.decode(envelope[1])
-            except msgspec.DecodeError as e:
-                log.warning("undecodable broadcast: %s", e)
-                continue
             if isinstance(msg, FrontendGone):
                 mine = [r for r, f in self._request_frontend.items() if f == msg.frontend_id.encode()]
                 if mine:
