@@ -178,16 +178,16 @@ def test_invalid_requests(model, ids, params, message):
 
 
 @pytest.mark.timeout(300)
-def test_compiled_decode_step_gives_the_eager_tokens(model):
+def test_compiled_decode_step_gives_the_eager_tokens(model, tmp_path):
     """The compiled decode graph (one graph for every batch size and context length, padded rows on the scratch
     block) against eager PyTorch on the same requests: 1 then 6 at once, contexts crossing many blocks, prefills
     joining mid-decode. The tiny model's logits are far apart, so greedy tokens must be equal. Up to 3 rows run
     the serial-kernel graph here, more the parallel one, so a request's tokens cross both. Steps call the graphs
     directly (DirectCall); the guarded torch.compile call, used when that cannot be set up, is checked too."""
     requests = [(f"r{i}", prompt(i, 3 + 5 * i), greedy(max_tokens=20 + 3 * i)) for i in range(6)]
-    compiled_core = engine(model, enforce_eager=False)
+    compiled_core = engine(model, enforce_eager=False, cache_dir=fresh_cache_dir(tmp_path))  # traced, not loaded
     compiled = compiled_core.runner.compiled
-    assert compiled is not None and all(graph.direct is not None for graph in compiled.graphs)
+    assert compiled is not None and all(graph.direct is not None and graph.traced for graph in compiled.graphs)
     compiled.serial_max_rows = 3
     calls = lambda: [graph.direct.num_calls for graph in compiled.graphs]  # noqa: E731
     before = calls()
@@ -212,8 +212,65 @@ def test_compiled_decode_step_gives_the_eager_tokens(model):
     assert compiled.num_calls > 0 and compiled.num_fallbacks == 0
 
 
+def fresh_cache_dir(tmp_path) -> str:
+    """A cache dir with no saved decode step; the C++ kernels come from the default one (built once a machine)."""
+    from dpserve_engine import kernels
+
+    kernels.load(EngineConfig().cache_dir)
+    return str(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_saved_decode_step_loads_without_tracing_and_gives_the_same_tokens(model, tmp_path, caplog):
+    """A traced warm-up saves the step (precompiled.py); the next engine on that cache dir loads it without
+    tracing and decodes the same tokens. A saved step that does not check out (here its probe) is not used: the
+    engine traces as before. A direct call that raises sends that step, and the graph's later ones, elsewhere."""
+    import json
+    import logging
+
+    caplog.set_level(logging.INFO, logger="dpserve_engine")
+    cache_dir = fresh_cache_dir(tmp_path)
+    requests = [(f"r{i}", prompt(i, 3 + 4 * i), greedy(max_tokens=12 + 2 * i)) for i in range(4)]
+    eager = tokens(run(engine(model), requests))
+
+    first = engine(model, enforce_eager=False, cache_dir=cache_dir)
+    assert all(graph.traced for graph in first.runner.compiled.graphs)
+    manifests = list((tmp_path / "decode").glob("*/manifest.json"))
+    assert len(manifests) == 1 and "later starts load it without tracing" in caplog.text
+    assert tokens(run(first, requests)) == eager
+
+    caplog.clear()
+    second = engine(model, enforce_eager=False, cache_dir=cache_dir)
+    compiled = second.runner.compiled
+    assert compiled is not None and all(not g.traced and g.direct is not None for g in compiled.graphs)
+    assert "(no tracing)" in caplog.text and "preparing the compiled decode step" not in caplog.text
+    compiled.serial_max_rows = 2  # both graphs take steps
+    calls = [g.direct.num_calls for g in compiled.graphs]
+    assert tokens(run(second, requests)) == eager
+    assert all(g.direct.num_calls > n for g, n in zip(compiled.graphs, calls))
+    assert compiled.num_fallbacks == 0
+
+    # a direct call that fails: that step and the graph's later ones run eagerly (loaded: no guarded call)
+    def broken(args):
+        raise RuntimeError("entry point gone")
+
+    compiled.serial.direct._fn = broken
+    assert tokens(run(second, requests[:1])) == {"r0": eager["r0"]}
+    assert compiled.serial.direct is None and compiled.num_fallbacks > 0
+    assert "the direct call failed" in caplog.text
+
+    manifest = json.loads(manifests[0].read_text())
+    manifest["graphs"]["serial"]["probe"] = "0" * 64
+    manifests[0].write_text(json.dumps(manifest))
+    caplog.clear()
+    third = engine(model, enforce_eager=False, cache_dir=cache_dir)
+    assert "is not usable" in caplog.text and "probe differs" in caplog.text
+    assert all(graph.traced for graph in third.runner.compiled.graphs)
+    assert tokens(run(third, requests)) == eager
+
+
 @pytest.mark.timeout(120)
-def test_engine_serves_eagerly_when_the_decode_step_cannot_compile(model, caplog):
+def test_engine_serves_eagerly_when_the_decode_step_cannot_compile(model, caplog, tmp_path):
     """No C++ compiler (a slim image, say): a warning, and the eager path, not a rank that fails to start."""
     import torch._inductor.config as inductor_config
 
@@ -221,7 +278,7 @@ def test_engine_serves_eagerly_when_the_decode_step_cannot_compile(model, caplog
     # config.patch, not monkeypatch: monkeypatch's undo deletes a config module's entry instead of restoring it
     no_compiler = {"cpp.cxx": (None, "/nonexistent/c++")}
     with inductor_config.patch(no_compiler), torch.compiler.config.patch(force_disable_caches=True):
-        core = engine(model, enforce_eager=False)
+        core = engine(model, enforce_eager=False, cache_dir=fresh_cache_dir(tmp_path))
     assert core.runner.compiled is None
     assert "compiling the decode step failed" in caplog.text
     request = ("a", prompt(1), greedy())

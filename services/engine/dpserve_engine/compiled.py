@@ -49,9 +49,11 @@ Numerics: fused kernels sum in another order than eager PyTorch, so logits diffe
 near-tied greedy choice can differ from the eager path's (measured: as close to the fp32 reference as eager
 int4 is; docs/benchmarks.md).
 
-Cost: the first compile of the two graphs takes one to three minutes on 2 cores (97 s measured); inductor caches
-what it builds under `<cache_dir>/inductor` (core.py sets TORCHINDUCTOR_CACHE_DIR unless it is set) and later
-starts take seconds. `--enforce-eager` skips all of this. Only on CPU: the CUDA path has not been run here.
+Cost: the first compile of the two graphs takes minutes on a small machine; inductor caches what it builds
+under `<cache_dir>/inductor` (core.py sets TORCHINDUCTOR_CACHE_DIR unless it is set), but a cache hit still
+costs dynamo's tracing of the model, tens of seconds a graph. So once traced, the step is saved
+(precompiled.py) and later starts load it without tracing, in about a second. `--enforce-eager` skips all of
+this. Only on CPU: the CUDA path has not been run here.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from dpserve_engine import kernels
+from dpserve_engine import kernels, precompiled
+from dpserve_engine.direct_call import DirectCall, DirectCallUnavailable
 from dpserve_engine.model import DecodeInputs, Transformer
 
 logger = logging.getLogger(__name__)
@@ -151,8 +154,10 @@ class _Graph:
         self.name = name
         self.kv_caches = kv_caches
         self.stacks = layers.stacks
+        self.options = options
         self._fn = torch.compile(layers.decode, fullgraph=True, dynamic=False, options=options)
         self.direct: DirectCall | None = None
+        self.traced = False  # False when loaded from a saved step (precompiled.py): no guarded call to fall back on
 
     def __call__(self, inputs: DecodeInputs) -> Tensor:
         for t in (inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_table):
@@ -175,7 +180,10 @@ class CompiledDecode:
     serial_max_rows = 8
 
     def __init__(self, model: Transformer, kv_caches: list[tuple[Tensor, Tensor]], cache_dir: str):
-        kernels.load(cache_dir)  # torch.ops.dpserve.paged_decode_attention, which Transformer.decode calls
+        # torch.ops.dpserve.paged_decode_attention, which Transformer.decode calls
+        self.kernels_lib = kernels.load(cache_dir)
+        self.cache_dir = cache_dir
+        self.model, self.kv_caches = model, kv_caches
 
         # The number of real rows is read with .item() inside the graph (see the module docstring).
         torch._dynamo.config.capture_scalar_outputs = True
@@ -183,6 +191,7 @@ class CompiledDecode:
         # Small steps: fused kernels without OpenMP regions (cpp.threads=1). Large steps: parallel kernels that
         # read the thread count at run time, since the engine changes it with load (threads.py).
         layers = LayerStacks(model)
+        self.stacks = layers.stacks
         self.serial = _Graph("serial", layers, kv_caches, {**options, "cpp.threads": 1, "cpp.dynamic_threads": False})
         self.parallel = _Graph("parallel", layers, kv_caches, {**options, "cpp.dynamic_threads": True})
         self.num_calls = 0
@@ -195,9 +204,27 @@ class CompiledDecode:
     def graph_for(self, rows: int) -> _Graph:
         return self.serial if rows <= self.serial_max_rows else self.parallel
 
+    def named_tensors(self) -> tuple[dict[str, Tensor], set[str]]:
+        """Every tensor a graph may take as an input, by a name that holds across processes; and which of them
+        are weights (their bytes go into the saved step's key)."""
+        named: dict[str, Tensor] = {f"stack.{i}": t for i, t in enumerate(self.stacks)}
+        weights = set(named)
+        for prefix, items in (("model.", self.model.named_parameters(remove_duplicate=False)),
+                              ("model.", self.model.named_buffers(remove_duplicate=False))):  # fmt: skip
+            for name, t in items:
+                if t is not None and not name.startswith("layers."):  # layers' tensors: views of the stacks
+                    named[prefix + name] = t
+                    weights.add(prefix + name)
+        for i, (k, v) in enumerate(self.kv_caches):
+            named[f"kv.{i}.k"], named[f"kv.{i}.v"] = k, v
+        return named, weights
+
     def warm_up(self, prepare: Callable[[int, int], DecodeInputs]) -> None:
-        """Compile both graphs, on padding rows only (they touch only the scratch block); then set up their
-        direct calls. `prepare(rows, blocks)` gives such inputs of that many rows and blocks."""
+        """Set up both graphs: from a saved step (precompiled.py) when there is one; else compile them (or load
+        their code from inductor's cache), on padding rows only (they touch only the scratch block), set up
+        their direct calls and save the step. `prepare(rows, blocks)` gives such inputs."""
+        if precompiled.load_into(self, prepare):
+            return
         from torch._dynamo.utils import counters
 
         started = time.monotonic()
@@ -211,11 +238,13 @@ class CompiledDecode:
         logger.info("decode step %s in %.1f s (inductor cache: %d hits, %d misses; AOT autograd cache: %d hits, %d "
                     "misses, %d bypasses)", how, time.monotonic() - started, *seen)  # fmt: skip
         for graph in self.graphs:
+            graph.traced = True
             try:
                 graph.direct = DirectCall.capture(lambda inputs: self._guarded_call(inputs, graph), prepare)
             except DirectCallUnavailable as e:
                 logger.warning("decode step (%s graph): no direct call (%s); its steps go through torch.compile's "
                                "guards", graph.name, e)
+        precompiled.save_from(self, prepare)
 
     def __call__(self, inputs: DecodeInputs) -> Tensor | None:
         """Final hidden states [rows, dim], or None when these inputs have no compiled graph (run eagerly)."""
@@ -223,10 +252,19 @@ class CompiledDecode:
         rows, blocks = inputs.block_table.shape
         graph = self.graph_for(rows)
         if graph.direct is not None and rows >= self.min_rows and blocks >= self.min_blocks:
-            return graph.direct(inputs, rows, blocks)
+            try:
+                return graph.direct(inputs, rows, blocks)
+            except Exception as e:  # noqa: BLE001 - serve on: this graph's steps take the guarded call from now on
+                graph.direct = None
+                logger.warning("decode step (%s graph): the direct call failed (%s: %s); its steps go through "
+                               "torch.compile's guards from now on", graph.name, type(e).__name__, e)  # fmt: skip
+                return None  # this step runs eagerly (it may have written K/V: the eager step writes the same)
         return self._guarded_call(inputs, graph)
 
     def _guarded_call(self, inputs: DecodeInputs, graph: _Graph) -> Tensor | None:
+        if not graph.traced:  # loaded from a saved step: tracing now would stall this step for tens of seconds
+            self.num_fallbacks += 1
+            return None
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 return graph(inputs)
@@ -238,93 +276,3 @@ class CompiledDecode:
                 logger.warning("a decode step of shape %s has no compiled graph: running it eagerly",
                                tuple(inputs.block_table.shape))
             return None
-
-
-class DirectCallUnavailable(Exception):
-    pass
-
-
-class DirectCall:
-    """The compiled graph's C++ entry point, called without torch.compile's Python layers around it.
-
-    A call through `torch.compile` first runs dynamo's frame hook and guards, then AOTAutograd's runtime wrapper
-    and inductor's output-code wrapper, each walking the graph's flat inputs (weights and KV caches are inputs
-    too); ~0.9 ms a step at batch 1 here with ~370 of them, about a seventh of the step. The graph itself takes a flat list:
-    the same weight and cache tensors every step, the step's five input tensors, and the dynamic sizes as ints.
-    `capture` records that list from two guarded calls of different shapes, works out which entries are which,
-    and checks that a direct call gives the guarded call's exact result; `__call__` then fills in a step's
-    tensors and sizes and calls the entry point.
-
-    What the guards checked is held by construction: the runner builds every step's inputs the same way
-    (int64 tensors, at least min_rows x min_blocks, checked per call), the weights and caches never change
-    (the guard filter skips them anyway), and inductor's size and stride asserts still run inside the entry.
-    """
-
-    def __init__(self, fn, template: list, tensor_slots: list[tuple[int, int]], row_slots: list[int],
-                 block_slots: list[int]):
-        self._fn = fn
-        self._template = template
-        self._tensor_slots = tensor_slots  # (flat index, DecodeInputs field index)
-        self._row_slots = row_slots
-        self._block_slots = block_slots
-        self.num_calls = 0
-
-    def __call__(self, inputs: DecodeInputs, rows: int, blocks: int) -> Tensor:
-        self.num_calls += 1
-        args = list(self._template)
-        for i, field in self._tensor_slots:
-            args[i] = inputs[field]
-        for i in self._row_slots:
-            args[i] = rows
-        for i in self._block_slots:
-            args[i] = blocks
-        return self._fn(args)[0]
-
-    @classmethod
-    def capture(cls, guarded: Callable[[DecodeInputs], Tensor | None],
-                prepare: Callable[[int, int], DecodeInputs]) -> DirectCall:
-        """`guarded(inputs)`: the graph's call through torch.compile, which must not compile anything new."""
-        (a, fn_a, flat_a, out_a), (b, fn_b, flat_b, out_b) = (
-            cls._record(guarded, prepare(rows, blocks)) for rows, blocks in ((3, 5), (4, 7))
-        )
-        if fn_a is not fn_b or len(flat_a) != len(flat_b):
-            raise DirectCallUnavailable("the two calls ran different graphs")
-        template, tensor_slots, row_slots, block_slots = [], [], [], []
-        for i, (x, y) in enumerate(zip(flat_a, flat_b)):
-            template.append(x)
-            if (isinstance(x, Tensor) and x is y) or (type(x) is int and x == y):
-                continue  # a weight or a KV cache (the same tensor every step), or a constant
-            if type(x) is int and type(y) is int and (x, y) in ((3, 4), (5, 7)):
-                (row_slots if (x, y) == (3, 4) else block_slots).append(i)
-                continue
-            match = [f for f in range(len(a)) if a[f] is x and b[f] is y]  # one of the step's DecodeInputs
-            if not match:
-                raise DirectCallUnavailable(f"graph input {i} ({type(x).__name__}) is not one of the step's")
-            tensor_slots.append((i, match[0]))
-            template[i] = None
-        direct = cls(fn_a, template, tensor_slots, row_slots, block_slots)
-        out = direct(b, 4, 7)
-        if not torch.equal(out, out_b):
-            raise DirectCallUnavailable("a direct call differs from the guarded call")
-        return direct
-
-    @staticmethod
-    def _record(guarded: Callable[[DecodeInputs], Tensor | None], inputs: DecodeInputs):
-        """One guarded call of `inputs`, with the graph's entry point and the flat inputs it was given."""
-        from torch._inductor.output_code import CompiledFxGraph
-
-        seen = []
-        original = CompiledFxGraph.__call__
-
-        def record(graph, flat):
-            seen.append((graph.current_callable, list(flat)))
-            return original(graph, flat)
-
-        CompiledFxGraph.__call__ = record
-        try:
-            out = guarded(inputs)
-        finally:
-            CompiledFxGraph.__call__ = original
-        if out is None or len(seen) != 1:
-            raise DirectCallUnavailable(f"{len(seen)} graph calls recorded, output {type(out).__name__}")
-        return inputs, seen[0][0], seen[0][1], out

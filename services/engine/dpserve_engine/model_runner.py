@@ -80,8 +80,8 @@ class ModelRunner:
 
     def compile_decode(self, cache_dir: str, background: bool = False) -> None:
         """Compile the decode step (compiled.py), or load it from inductor's cache: now, or in a background thread
-        while steps run eagerly (`background`: a rank serves at once and switches over when it is ready, since
-        even a cache hit costs dynamo's tracing, ~20-40 s on 2 cores)."""
+        while steps run eagerly (`background`: a rank serves at once and switches over when it is ready: about a
+        second from a saved step (precompiled.py), tens of seconds when it must be traced, minutes when compiled)."""
         from dpserve_engine.compiled import CompiledDecode
 
         try:
