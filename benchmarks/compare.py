@@ -1,4 +1,4 @@
-"""The comparisons of docs/BENCHMARKS.md that need only dpserve, measured in one run, A/B interleaved.
+"""The comparisons recorded in docs/benchmarks.md that need only dpserve, measured in one run, A/B interleaved.
 
     .venv/bin/python benchmarks/compare.py                    # all three, results appended to docs/benchmarks.md
     .venv/bin/python benchmarks/compare.py --only frontend --rounds 2 --no-append

@@ -7,12 +7,22 @@ set -eu
 export RAY_worker_niceness="${RAY_worker_niceness:-0}"
 IP="$(hostname -i | awk '{print $1}')"
 ray start --head --node-ip-address "$IP" --port 6379 --dashboard-host "$IP" --num-cpus "${RAY_HEAD_NUM_CPUS:-0}"
-trap 'ray stop' EXIT
-exec dpserve-coordinator \
+# The coordinator runs as a child (not exec'd), so that Ray is stopped after it: a stop signal goes to the
+# coordinator (it drains and exits), then `ray stop` runs.
+dpserve-coordinator \
   --ray-address auto \
   --data-parallel-address "$IP" \
   --data-parallel-rpc-port "${DPSERVE_RPC_PORT:-29550}" \
   --data-parallel-size "${DPSERVE_DP_SIZE:-2}" \
   --data-parallel-size-local "${DPSERVE_DP_SIZE_LOCAL:-0}" \
   --ray-wait-for-nodes-s "${DPSERVE_WAIT_FOR_NODES_S:-120}" \
-  --model "${DPSERVE_MODEL:-smollm2}" "$@"
+  --model "${DPSERVE_MODEL:-smollm2}" "$@" &
+pid=$!
+trap 'kill -TERM "$pid" 2>/dev/null || true' TERM INT
+status=0
+wait "$pid" || status=$?
+while kill -0 "$pid" 2>/dev/null; do  # a signal ends `wait` early: wait for the coordinator itself
+  wait "$pid" || status=$?
+done
+ray stop || true
+exit "$status"

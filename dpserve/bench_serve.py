@@ -1,6 +1,6 @@
 """`dpserve bench serve`: a streaming load generator for any OpenAI-compatible server.
 
-Metrics follow docs/BENCHMARKS.md (the same definitions as vLLM's `bench serve` and guidellm):
+Metrics have the same definitions as vLLM's `bench serve` and guidellm:
 
 - request throughput = completed / duration; output throughput = sum of output tokens / duration;
   total token throughput = (sum of prompt tokens + sum of output tokens) / duration.
@@ -409,6 +409,44 @@ async def fetch_models(base_url: str, api_key: str | None = None, timeout_s: flo
     return [m["id"] for m in body.get("data", [])]
 
 
+async def fetch_data_parallel_size(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> int | None:
+    """The server's DP size from its Prometheus metrics (`dpserve:data_parallel_size`); None for a server that
+    does not export it (llama-server, vLLM without DP)."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.get(base_url.rstrip("/") + "/metrics", headers=headers) as resp:
+                if resp.status != 200:
+                    return None
+                text = await resp.text()
+    except (OSError, aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    for line in text.splitlines():
+        if line.startswith("dpserve:data_parallel_size"):
+            try:
+                return int(float(line.split()[-1]))
+            except ValueError:
+                return None
+    return None
+
+
+def plot_title(report: dict) -> str:
+    """What was measured, in one line: the label (or model and URL), endpoint, lengths, DP size when known."""
+    cfg = report["config"]
+    parts = [report.get("label") or f"{report['model']} @ {report['base_url']}", f"/v1/{report['endpoint']}",
+             f"{cfg['input_len']} in / {cfg['output_len']} out tokens"]  # fmt: skip
+    if cfg.get("identical_prompts"):
+        parts.append("identical prompts")
+    elif cfg.get("shared_prefix_len"):
+        parts.append(f"{cfg['shared_prefix_len']}-token shared prefix")
+    dp = (report.get("server") or {}).get("data_parallel_size")
+    if dp:
+        parts.append(f"DP={dp}")
+    return " | ".join(parts)
+
+
 class Progress:
     """A one-line live progress bar on stderr (`\\r`), at most 10 updates a second."""
 
@@ -615,17 +653,18 @@ def write_png(path: str, levels: list[dict], title: str = "") -> None:
         ax_thr.set_title("throughput")
         handles = ax_thr.get_legend_handles_labels()
         handles2 = ax_req.get_legend_handles_labels()
-        ax_thr.legend(handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8)
         for ax in axes:
             ax.set_xlabel(xlabel)
-            if categorical:
-                ax.set_xticks(xs, labels)
-            elif not rate_mode and min(xs) > 0 and max(xs) / min(xs) >= 8:
+            if not categorical and not rate_mode and min(xs) > 0:  # concurrency levels: 1, 2, 4, ... evenly apart
                 ax.set_xscale("log", base=2)
-                ax.set_xticks(xs, labels)
+            ax.set_xticks(xs, labels)  # ticks at the levels measured, nowhere else
+            ax.minorticks_off()
             ax.grid(True, alpha=0.3)
-        ax_ttft.legend(fontsize=8)
-        ax_tok.legend(fontsize=8)
+        # legends under their plots, not over the data
+        below = dict(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+        ax_ttft.legend(**below)
+        ax_tok.legend(**below)
+        ax_thr.legend(handles[0] + handles2[0], handles[1] + handles2[1], **{**below, "ncol": 3})
     else:
         lv = levels[0]
         fig, axes = plt.subplots(1, len(LATENCY_METRICS), figsize=(16, 4))
@@ -638,7 +677,7 @@ def write_png(path: str, levels: list[dict], title: str = "") -> None:
         fig.text(0.5, 0.01, x_label, ha="center")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -760,7 +799,8 @@ async def _amain(args) -> dict:
         n = _num_requests(args, conc, rate)
         if rate is None and n < 5 * conc:
             print(
-                f"warning: {n} requests at concurrency {conc} is fewer than the 5 x concurrency BENCHMARKS.md asks",
+                f"warning: {n} requests at concurrency {conc} is fewer than 5 x concurrency: the level is mostly "
+                "ramp-up and ramp-down, and its percentiles rest on few requests",
                 file=sys.stderr,
             )
         warmup = args.warmup if args.warmup is not None else (conc or 1)
@@ -800,6 +840,7 @@ async def _amain(args) -> dict:
         "endpoint": args.endpoint,
         "model": model,
         "machine": machine(),
+        "server": {"data_parallel_size": await fetch_data_parallel_size(args.base_url, args.api_key)},
         "config": {
             "input_len": args.input_len,
             "output_len": args.output_len,
@@ -852,7 +893,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     if args.output_png:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_png)), exist_ok=True)
-        write_png(args.output_png, report["levels"], args.label or f"{report['model']} @ {args.base_url}")
+        write_png(args.output_png, report["levels"], plot_title(report))
     return 0 if all(lv["completed"] > 0 for lv in report["levels"]) else 1
 
 

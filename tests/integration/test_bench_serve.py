@@ -1,5 +1,5 @@
 """`dpserve bench serve` against a live `dpserve serve` (null engines, mp backend): small N, two concurrency levels;
-the JSON report has every field of issue 6 / docs/BENCHMARKS.md. No timing is asserted."""
+the JSON report has every field the benchmarks record (docs/benchmarks.md). No timing is asserted."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`dpserve bench serve`: the metric definitions (docs/BENCHMARKS.md), SSE parsing, synthetic prompts, and one
+"""`dpserve bench serve`: the metric definitions (vLLM's bench serve), SSE parsing, synthetic prompts, and one
 end-to-end run against a tiny in-process fake OpenAI server (no dpserve server, no model)."""
 
 from __future__ import annotations
@@ -260,6 +260,7 @@ def test_main_end_to_end_against_fake_server(tmp_path, endpoint, capsys):
         assert lv["usage_missing"] == 0 and lv["total_input_tokens"] == 6 * 9
         assert lv["output_throughput"] > 0 and lv["p99_itl_ms"] > 0 and lv["mean_tpot_ms"] > 0
     assert out_png.stat().st_size > 1000
+    assert report["server"] == {"data_parallel_size": None}  # the fake server exports no metrics
     bodies = [b for _, b in seen]
     assert len(bodies) == 2 * (6 + 1)  # warm-up + measured, per level
     assert all(b["ignore_eos"] and b["stream"] and b["stream_options"] == {"include_usage": True} for b in bodies)
@@ -331,3 +332,13 @@ def test_main_poisson_rate(tmp_path):
     assert all(lv["completed"] == 6 and lv["concurrency"] == 2 for lv in report["levels"])
     prompts = [b["prompt"] for _, b in seen]
     assert len(set(prompts)) == 12 and len({p.split()[0] for p in prompts}) == 1  # shared 4-token prefix
+
+
+def test_plot_title_says_what_was_measured():
+    report = {"label": None, "model": "m", "base_url": "http://h:1", "endpoint": "chat",
+              "config": {"input_len": 128, "output_len": 64, "identical_prompts": False, "shared_prefix_len": 0},
+              "server": {"data_parallel_size": 2}}  # fmt: skip
+    assert bs.plot_title(report) == "m @ http://h:1 | /v1/chat | 128 in / 64 out tokens | DP=2"
+    report.update(label="run 7", server={"data_parallel_size": None})
+    report["config"]["identical_prompts"] = True
+    assert bs.plot_title(report) == "run 7 | /v1/chat | 128 in / 64 out tokens | identical prompts"

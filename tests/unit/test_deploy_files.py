@@ -62,3 +62,63 @@ def test_every_dpserve_command_in_deploy_files_is_a_console_script():
     assert used, "no dpserve command found in the deploy files"
     missing = sorted(u for u in used if u.startswith("dpserve-") and u not in scripts)
     assert not missing, f"deploy files run commands that are not console scripts: {missing}"
+
+
+@pytest.mark.timeout(90)
+def test_the_engine_image_installs_cpu_torch_by_default():
+    """PyPI's default torch is the multi-gigabyte CUDA build: compose passes the CPU index unless told otherwise."""
+    config = _compose_config()
+    assert config["services"]["ray-worker"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    with open(os.path.join(ROOT, "services", "engine", "Dockerfile")) as f:
+        assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in f.read()
+
+
+@pytest.mark.timeout(30)
+def test_compose_up_without_a_token_says_so_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    (tmp_path / "docker-compose").write_text("#!/bin/sh\necho ran > \"$(dirname \"$0\")/ran\"\n")
+    (tmp_path / "docker-compose").chmod(0o755)
+    result = subprocess.run([os.path.join(ROOT, "deploy", "compose-up.sh")], capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and not (tmp_path / "ran").exists()
+    assert len(result.stderr.strip().splitlines()) == 1 and "RAY_AUTH_TOKEN" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ray_head_script_stops_ray_after_the_coordinator(tmp_path):
+    """deploy/ray-head.sh: a stop signal reaches the coordinator, which drains and exits; then `ray stop` runs.
+    `ray`, `hostname` and the coordinator are stand-ins on PATH that record what they were asked to do."""
+    import signal
+    import sys
+    import time
+
+    log = tmp_path / "log"
+    fakes = {
+        "hostname": "#!/bin/sh\necho 127.0.0.1\n",
+        "ray": f"#!/bin/sh\necho \"ray $*\" >> {log}\n",
+        "dpserve-coordinator": (
+            f"#!{sys.executable}\nimport signal, sys, time\n"
+            f"def stop(*_):\n    open({str(log)!r}, 'a').write('coordinator drained\\n'); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            f"open({str(log)!r}, 'a').write('coordinator started\\n')\n"
+            "while True: time.sleep(0.1)\n"
+        ),
+    }
+    for name, text in fakes.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    proc = subprocess.Popen(["sh", os.path.join(ROOT, "deploy", "ray-head.sh")], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while "coordinator started" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and proc.poll() is None, "the coordinator did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("ray start --head")
+    assert lines[1:] == ["coordinator started", "coordinator drained", "ray stop"]

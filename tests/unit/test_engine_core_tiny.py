@@ -269,6 +269,47 @@ def test_saved_decode_step_loads_without_tracing_and_gives_the_same_tokens(model
     assert tokens(run(third, requests)) == eager
 
 
+@pytest.mark.timeout(180)
+def test_compiled_path_fails_safe(model, tmp_path, monkeypatch, caplog):
+    """The direct call reads torch internals. Whatever goes wrong there, requests get the eager tokens: a capture
+    that raises something unexpected (here an attribute torch no longer has) and a torch version the direct call
+    was not checked on leave the steps to torch.compile's guarded call (one warning); a guarded call that raises
+    sends that graph's steps to the eager path from then on."""
+    from dpserve_engine import compiled as compiled_module
+    from dpserve_engine.direct_call import DirectCall
+
+    requests = [(f"r{i}", prompt(i, 3 + 4 * i), greedy(max_tokens=10 + 2 * i)) for i in range(4)]
+    eager = tokens(run(engine(model), requests))
+
+    def no_attribute(*args, **kwargs):
+        raise AttributeError("'CompiledFxGraph' object has no attribute 'current_callable'")
+
+    with monkeypatch.context() as m:
+        m.setattr(DirectCall, "capture", staticmethod(no_attribute))
+        core = engine(model, enforce_eager=False, cache_dir=fresh_cache_dir(tmp_path / "a"))
+    compiled = core.runner.compiled
+    assert compiled is not None and all(graph.direct is None for graph in compiled.graphs)
+    assert "no direct call (AttributeError" in caplog.text
+    assert tokens(run(core, requests)) == eager and compiled.num_fallbacks == 0
+
+    caplog.clear()
+    with monkeypatch.context() as m:
+        m.setattr(compiled_module, "DIRECT_CALL_TORCH", ("0.0.",))
+        core = engine(model, enforce_eager=False, cache_dir=fresh_cache_dir(tmp_path / "b"))
+    compiled = core.runner.compiled
+    assert all(graph.direct is None and graph.traced for graph in compiled.graphs)
+    assert "no direct call on torch" in caplog.text
+    assert tokens(run(core, requests)) == eager and compiled.num_fallbacks == 0
+
+    def failing(*args):
+        raise RuntimeError("a kernel failed")
+
+    compiled.serial._fn = failing  # the serial graph takes the small steps of these requests
+    assert tokens(run(core, requests)) == eager
+    assert compiled.serial.failed and compiled.num_fallbacks > 0
+    assert "the compiled call failed (RuntimeError: a kernel failed)" in caplog.text
+
+
 @pytest.mark.timeout(120)
 def test_engine_serves_eagerly_when_the_decode_step_cannot_compile(model, caplog, tmp_path):
     """No C++ compiler (a slim image, say): a warning, and the eager path, not a rank that fails to start."""

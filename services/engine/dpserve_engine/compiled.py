@@ -59,6 +59,7 @@ this. Only on CPU: the CUDA path has not been run here.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -76,6 +77,9 @@ logger = logging.getLogger(__name__)
 # globals the step reads): guards on them cannot be saved with a precompiled step, and need not be checked
 _IDENTITY_GUARDS = ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH",
                     "CLOSURE_MATCH", "WEAKREF_ALIVE")  # fmt: skip
+# DirectCall reads torch internals (CompiledFxGraph, the C++ wrapper's calling convention): tried only on the torch
+# versions it was checked on; on others the steps take torch.compile's guarded call
+DIRECT_CALL_TORCH = ("2.13.",)
 _UNCHECKED_GUARDS = ("GLOBAL_STATE", "DUPLICATE_INPUT", *_IDENTITY_GUARDS)
 
 
@@ -158,6 +162,7 @@ class _Graph:
         self._fn = torch.compile(layers.decode, fullgraph=True, dynamic=False, options=options)
         self.direct: DirectCall | None = None
         self.traced = False  # False when loaded from a saved step (precompiled.py): no guarded call to fall back on
+        self.failed = False  # its guarded call raised once: its steps run eagerly from then on
 
     def __call__(self, inputs: DecodeInputs) -> Tensor:
         for t in (inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_table):
@@ -219,11 +224,76 @@ class CompiledDecode:
             named[f"kv.{i}.k"], named[f"kv.{i}.v"] = k, v
         return named, weights
 
+    @staticmethod
+    def _probe(direct: DirectCall, prepare: Callable) -> str:
+        """The digest of a direct call's output for the probe's scratch-only input."""
+        rows, blocks = precompiled.PROBE_SHAPE
+        return precompiled.digest(direct(prepare(rows, blocks), rows, blocks))
+
+    def _saved_step(self) -> precompiled.SavedStep:
+        named, weights = self.named_tensors()
+        options = {g.name: {k: v for k, v in g.options.items() if k != "guard_filter_fn"} for g in self.graphs}
+        options["shape"] = {"min_rows": self.min_rows, "min_blocks": self.min_blocks}
+        key = precompiled.step_key(named, options, self.kernels_lib, weights)
+        return precompiled.SavedStep(os.path.join(self.cache_dir, "decode"), key)
+
+    def _load_saved(self, prepare: Callable) -> bool:
+        """Set up the graphs' direct calls from a saved step without tracing; False (nothing changed) when there is
+        none, caches are disabled, or it does not check out here (logged)."""
+        if torch.compiler.config.force_disable_caches:
+            return False
+        started = time.monotonic()
+        try:
+            saved = self._saved_step()
+            if not saved.exists():
+                return False
+            loaded = saved.load(self.named_tensors()[0])
+            directs = {}
+            for graph in self.graphs:
+                fn, (template, tensor_slots, row_slots, block_slots), want = loaded[graph.name]
+                directs[graph.name] = DirectCall(fn, template, tensor_slots, row_slots, block_slots)
+                if self._probe(directs[graph.name], prepare) != want:
+                    raise precompiled.Unusable(f"the {graph.name} graph's probe differs from the saved one")
+        except Exception as e:  # noqa: BLE001 - whatever it is, tracing still works
+            logger.warning("the saved decode step in %s is not usable (%s: %s); tracing instead",
+                           os.path.join(self.cache_dir, "decode"), type(e).__name__, e)  # fmt: skip
+            return False
+        for graph in self.graphs:
+            graph.direct = directs[graph.name]
+        logger.info("decode step loaded in %.1f s from %s (no tracing)", time.monotonic() - started, saved.dir)
+        return True
+
+    def _save(self, prepare: Callable) -> None:
+        """After a traced warm-up that set up every graph's direct call: save what they call, for later starts."""
+        if torch.compiler.config.force_disable_caches:
+            return
+        try:
+            saved = self._saved_step()
+            if saved.exists():
+                return
+            names = {id(t): name for name, t in self.named_tensors()[0].items()}
+            graphs, probes = {}, {}
+            for graph in self.graphs:
+                direct = graph.direct
+                if direct is None or direct.output_code is None:
+                    raise precompiled.Unusable(f"the {graph.name} graph has no direct call")
+                code = direct.output_code
+                if getattr(code, "constants", None) or getattr(code, "frozen_param_names", None):
+                    raise precompiled.Unusable(f"the {graph.name} graph carries constants of its own")
+                entries = precompiled.describe(direct._template, direct._tensor_slots, direct._row_slots,
+                                               direct._block_slots, names)  # fmt: skip
+                graphs[graph.name] = (code.source_code, entries)
+                probes[graph.name] = self._probe(direct, prepare)
+            saved.save(graphs, probes)
+            logger.info("decode step saved in %s: later starts load it without tracing", saved.dir)
+        except Exception as e:  # noqa: BLE001 - the step works; only the next start's shortcut is lost
+            logger.warning("could not save the decode step for later starts (%s: %s)", type(e).__name__, e)
+
     def warm_up(self, prepare: Callable[[int, int], DecodeInputs]) -> None:
         """Set up both graphs: from a saved step (precompiled.py) when there is one; else compile them (or load
         their code from inductor's cache), on padding rows only (they touch only the scratch block), set up
         their direct calls and save the step. `prepare(rows, blocks)` gives such inputs."""
-        if precompiled.load_into(self, prepare):
+        if self._load_saved(prepare):
             return
         from torch._dynamo.utils import counters
 
@@ -239,12 +309,18 @@ class CompiledDecode:
                     "misses, %d bypasses)", how, time.monotonic() - started, *seen)  # fmt: skip
         for graph in self.graphs:
             graph.traced = True
+        if not torch.__version__.startswith(DIRECT_CALL_TORCH):
+            logger.warning("decode step: no direct call on torch %s (it reads torch internals, checked on %s); steps "
+                           "go through torch.compile's guards", torch.__version__, " ".join(DIRECT_CALL_TORCH))
+            return
+        for graph in self.graphs:
             try:
                 graph.direct = DirectCall.capture(lambda inputs: self._guarded_call(inputs, graph), prepare)
-            except DirectCallUnavailable as e:
+            except Exception as e:  # noqa: BLE001 - DirectCallUnavailable, or torch internals not as expected
+                why = str(e) if isinstance(e, DirectCallUnavailable) else f"{type(e).__name__}: {e}"
                 logger.warning("decode step (%s graph): no direct call (%s); its steps go through torch.compile's "
-                               "guards", graph.name, e)
-        precompiled.save_from(self, prepare)
+                               "guards", graph.name, why)
+        self._save(prepare)
 
     def __call__(self, inputs: DecodeInputs) -> Tensor | None:
         """Final hidden states [rows, dim], or None when these inputs have no compiled graph (run eagerly)."""
@@ -262,8 +338,25 @@ class CompiledDecode:
         return self._guarded_call(inputs, graph)
 
     def _guarded_call(self, inputs: DecodeInputs, graph: _Graph) -> Tensor | None:
-        if not graph.traced:  # loaded from a saved step: tracing now would stall this step for tens of seconds
+        """torch.compile's own call (dynamo's guards, then the graph), for a graph without a direct call; None
+        (this step runs eagerly) for inputs outside what the graphs were compiled for, which would need another
+        graph (compiling one would stall the step for seconds: `fail_on_recompile` refuses it), and for a graph
+        that was loaded, not traced, or whose call has failed before."""
+        rows, blocks = inputs.block_table.shape
+        if not graph.traced or graph.failed or rows < self.min_rows or blocks < self.min_blocks:
             self.num_fallbacks += 1
+            if self.num_fallbacks == 1:
+                logger.warning("a decode step of shape %s has no compiled graph to run: running it eagerly",
+                               (rows, blocks))  # fmt: skip
+            return None
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return graph(inputs)
+        except Exception as e:  # noqa: BLE001 - a refused recompile or a failing graph: serve on, eagerly
+            graph.failed = True
+            self.num_fallbacks += 1
+            logger.warning("decode step (%s graph): the compiled call failed (%s: %s); its steps run eagerly from "
+                           "now on", graph.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
             return None
         try:
             with torch.compiler.set_stance("fail_on_recompile"):

@@ -8,7 +8,7 @@ tensor inputs only: what compiled.py compiles; the same math and the same `_qkv`
 
 Precision: weights may be bf16 while activations, norms and the residual stay fp32 (`Linear` casts its input to
 the weight dtype and its output back). On this CPU that mix, with an fp32 KV cache and an fp32 LM head, gives the
-same greedy tokens as fp32 at half the weight bandwidth (see smollm2-notes.md).
+same greedy tokens as fp32 at half the weight bandwidth (measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -29,24 +29,17 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-from dpserve_engine.direct_call import DirectCall
-
-if TYPE_CHECKING:
-    from dpserve_engine.compiled import CompiledDecode
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
 _SOURCES = ("model.py", "compiled.py", "precompiled.py")
-_PROBE_SHAPE = (4, 7)  # rows, blocks of the probe's scratch-only input (what DirectCall.capture checks with)
+PROBE_SHAPE = (4, 7)  # rows, blocks of the probe's scratch-only input (what DirectCall.capture checks with)
 
 
 class Unusable(Exception):
@@ -173,70 +166,3 @@ class SavedStep:
             module = PyCodeCache.load(source)
             loaded[name] = (module.call, rebuild(g["inputs"], tensors), g["probe"])
         return loaded
-
-
-def _probe(direct: DirectCall, prepare: Callable) -> str:
-    """The digest of a direct call's output for the probe's scratch-only input."""
-    rows, blocks = _PROBE_SHAPE
-    return digest(direct(prepare(rows, blocks), rows, blocks))
-
-
-def saved_step(compiled: CompiledDecode) -> SavedStep:
-    named, weights = compiled.named_tensors()
-    options = {g.name: {k: v for k, v in g.options.items() if k != "guard_filter_fn"} for g in compiled.graphs}
-    options["shape"] = {"min_rows": compiled.min_rows, "min_blocks": compiled.min_blocks}
-    key = step_key(named, options, compiled.kernels_lib, weights)
-    return SavedStep(os.path.join(compiled.cache_dir, "decode"), key)
-
-
-def load_into(compiled: CompiledDecode, prepare: Callable) -> bool:
-    """Set up the graphs' direct calls from a saved step without tracing; False (nothing changed) when there is
-    none, caches are disabled, or it does not check out here (logged)."""
-    if torch.compiler.config.force_disable_caches:
-        return False
-    started = time.monotonic()
-    try:
-        saved = saved_step(compiled)
-        if not saved.exists():
-            return False
-        loaded = saved.load(compiled.named_tensors()[0])
-        directs = {}
-        for graph in compiled.graphs:
-            fn, (template, tensor_slots, row_slots, block_slots), want = loaded[graph.name]
-            directs[graph.name] = DirectCall(fn, template, tensor_slots, row_slots, block_slots)
-            if _probe(directs[graph.name], prepare) != want:
-                raise Unusable(f"the {graph.name} graph's probe differs from the saved one")
-    except Exception as e:  # noqa: BLE001 - whatever it is, tracing still works
-        logger.warning("the saved decode step in %s is not usable (%s: %s); tracing instead",
-                       os.path.join(compiled.cache_dir, "decode"), type(e).__name__, e)  # fmt: skip
-        return False
-    for graph in compiled.graphs:
-        graph.direct = directs[graph.name]
-    logger.info("decode step loaded in %.1f s from %s (no tracing)", time.monotonic() - started, saved.dir)
-    return True
-
-
-def save_from(compiled: CompiledDecode, prepare: Callable) -> None:
-    """After a traced warm-up that set up every graph's direct call: save what they call, for later starts."""
-    if torch.compiler.config.force_disable_caches:
-        return
-    try:
-        saved = saved_step(compiled)
-        if saved.exists():
-            return
-        names = {id(t): name for name, t in compiled.named_tensors()[0].items()}
-        graphs, probes = {}, {}
-        for graph in compiled.graphs:
-            direct = graph.direct
-            if direct is None or direct.output_code is None:
-                raise Unusable(f"the {graph.name} graph has no direct call")
-            code = direct.output_code
-            if getattr(code, "constants", None) or getattr(code, "frozen_param_names", None):
-                raise Unusable(f"the {graph.name} graph carries constants of its own")
-            entries = describe(direct._template, direct._tensor_slots, direct._row_slots, direct._block_slots, names)
-            graphs[graph.name] = (code.source_code, entries)
-            probes[graph.name] = _probe(direct, prepare)
-        saved.save(graphs, probes)
-        logger.info("decode step saved in %s: later starts load it without tracing", saved.dir)
-    except Exception as e:  # noqa: BLE001 - the step works; only the next start's shortcut is lost
-        logger.warning("could not save the decode step for later starts (%s: %s)", type(e).__name__, e)
