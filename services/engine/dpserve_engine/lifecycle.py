@@ -2,9 +2,9 @@
 
 STARTING: bound and registering. SERVING: registered, taking requests. DRAINING: taking no new requests, running
 ones finish until the drain deadline, then the loop ends. STOPPED: the loop ends now (what still runs is aborted).
-`stop(drain)` is the only transition out of STARTING/SERVING/DRAINING and is idempotent: stopping twice, or
-draining while already draining, changes nothing. A drain asked for while still STARTING is kept: the engine
-registers (so the coordinator sees it leave), then finds nothing to drain and stops.
+`stop(drain)` is the one way to ask for the end, and it is idempotent: stopping twice, or draining while already
+draining, changes nothing. A drain asked for while still STARTING is kept: registration
+goes on, then the loop finds nothing to drain and stops (a stop now ends the registration instead).
 
 This is the process's own state. The wire's `EngineState` is the coordinator's view of a rank (READY for
 SERVING; DEAD is the coordinator's verdict on a silent rank, not a state the process sets), so it is not reused.
