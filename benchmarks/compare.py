@@ -285,7 +285,7 @@ def direct_ttft(core, prompts_ids: list[list[int]], output_len: int) -> list[flo
 
 def serving_overhead(opts, results: dict) -> None:
     from dpserve.bench_serve import load_tokenizer, make_prompts, word_token_pool
-    from dpserve_engine.config import EngineConfig
+    from dpserve_engine.settings import EngineConfig
     from dpserve_engine.factory import build_engine_core
 
     threads = opts.threads
@@ -499,7 +499,7 @@ def machine_record() -> dict:
     """The CPU (model, torch's capability, the flags that pick kernels) and the kernel path engines choose on it
     by default (dpserve_engine.cpu_paths; a measured choice read from the engines' cache when there is one)."""
     from dpserve_engine import cpu_paths
-    from dpserve_engine.config import EngineConfig
+    from dpserve_engine.settings import EngineConfig
 
     cpu = cpu_paths.detect()
     cache = os.path.join(EngineConfig().cache_dir, "cpu-paths.json")

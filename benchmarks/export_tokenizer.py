@@ -4,7 +4,7 @@
 
 `--model` takes what `dpserve serve --model` takes: 'smollm2' (the bundled GGUF, whose tokenizer lives in the GGUF
 metadata), a .gguf file, or a Hugging Face directory. The tokenizer is the one dpserve's frontends use
-(`dpserve_engine.tokenizer.load_model_info`): OUT_DIR gets tokenizer.json, tokenizer_config.json (chat template,
+(`dpserve_engine.model_info.load_model_info`): OUT_DIR gets tokenizer.json, tokenizer_config.json (chat template,
 bos / eos tokens, model_max_length) and special_tokens_map.json, so that
 `transformers.AutoTokenizer.from_pretrained(OUT_DIR)` encodes like dpserve (no model weights are read).
 Run it with the project venv (`.venv/bin/python`); it needs only the standard library and dpserve_engine.
@@ -17,8 +17,9 @@ import json
 import os
 import sys
 
-from dpserve_engine.config import DEFAULT_MODEL, EngineConfig
-from dpserve_engine.tokenizer import load_model_info
+from dpserve_engine.model_files import DEFAULT_MODEL
+from dpserve_engine.model_info import load_model_info
+from dpserve_engine.settings import EngineConfig
 
 
 def _with_bos_post_processor(tokenizer: dict, bos_token: str, bos_id: int) -> dict:

@@ -235,8 +235,8 @@ def load_tokenizer(spec: str | None):
         return Tokenizer.from_file(spec)
     if spec and os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.json")):
         return Tokenizer.from_file(os.path.join(spec, "tokenizer.json"))
-    from dpserve_engine.config import EngineConfig
-    from dpserve_engine.tokenizer import load_model_info
+    from dpserve_engine.model_info import load_model_info
+    from dpserve_engine.settings import EngineConfig
 
     config = EngineConfig(model=spec) if spec else EngineConfig()
     return Tokenizer.from_str(load_model_info(config).tokenizer_json)

@@ -6,10 +6,10 @@ import torch
 from dpserve_shared.schema import EngineRequest, SamplingParams
 from tokenizers import Tokenizer
 
-from dpserve_engine.config import EngineConfig
 from dpserve_engine.core import EngineCore, load_model
 from dpserve_engine.model import Precision
-from dpserve_engine.tokenizer import load_model_info
+from dpserve_engine.model_info import load_model_info
+from dpserve_engine.settings import EngineConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

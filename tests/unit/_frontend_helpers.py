@@ -7,8 +7,8 @@ import pytest
 
 @functools.cache
 def load_model_info():
-    from dpserve_engine.config import EngineConfig
-    from dpserve_engine.tokenizer import load_model_info as load
+    from dpserve_engine.model_info import load_model_info as load
+    from dpserve_engine.settings import EngineConfig
 
     return load(EngineConfig())
 

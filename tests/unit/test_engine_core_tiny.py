@@ -8,7 +8,7 @@ import pytest
 import torch
 from dpserve_shared.schema import EngineRequest, FinishReason, ModelInfo, SamplingParams
 
-from dpserve_engine.config import EngineConfig
+from dpserve_engine.settings import EngineConfig
 from dpserve_engine.core import EngineCore
 from dpserve_engine.interface import InvalidRequest
 from dpserve_engine.model import ModelArgs, Precision, build_model

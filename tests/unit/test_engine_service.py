@@ -9,7 +9,9 @@ import pytest
 import zmq
 
 from dpserve_engine.null_core import NullEngineCore
-from dpserve_engine.service import EngineService, RegistrationFailed, ServiceSettings
+from dpserve_engine.coordinator_link import RegistrationFailed
+from dpserve_engine.service import EngineService
+from dpserve_engine.settings import ServiceSettings
 from dpserve_shared.codec import coordinator_decoder, encode, frontend_decoder
 from dpserve_shared.envelope import frames, split
 from dpserve_shared.schema import (
@@ -182,9 +184,9 @@ def test_refused_registration_fails_with_the_coordinators_reason(coordinator):
 
 
 def test_registers_again_when_the_coordinator_goes_silent(coordinator, monkeypatch):
-    from dpserve_engine import service as service_module
+    from dpserve_engine import coordinator_link
 
-    monkeypatch.setattr(service_module, "COORDINATOR_SILENCE_S", 0.5)
+    monkeypatch.setattr(coordinator_link, "COORDINATOR_SILENCE_S", 0.5)
     service, thread, errors = start_engine(coordinator)
     first = register(coordinator, rank=1)
     # Nothing on the broadcast: the engine registers again, same id and rank; a "restarted" coordinator
@@ -238,7 +240,7 @@ def test_a_stray_shutdown_from_another_deployment_is_ignored(coordinator, caplog
         coordinator.publish(Shutdown(drain=False, reason="coordinator shutting down"), deployment_id="dep-other")
         coordinator.send(identity, Shutdown(drain=False, reason="scale-down"), deployment_id="dep-other")
         time.sleep(0.05)
-    while service.guard.num_dropped < 4:  # broadcasts and control messages both arrived and were dropped
+    while service.coordinator.guard.num_dropped < 4:  # broadcasts and control messages both arrived and were dropped
         assert thread.is_alive(), errors
         time.sleep(0.05)
     fe.send(encode(EngineRequest("after", [1, 2], SamplingParams(max_tokens=3))))

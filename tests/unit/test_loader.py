@@ -6,11 +6,12 @@ import pytest
 import torch
 from dpserve_shared.schema import EngineRequest, SamplingParams
 
-from dpserve_engine.config import EngineConfig
 from dpserve_engine.core import EngineCore
 from dpserve_engine.loader import load_hf_dir
 from dpserve_engine.model import ModelArgs, Precision, build_model
-from dpserve_engine.tokenizer import ModelNotFound, load_model_info, resolve_model_path
+from dpserve_engine.model_files import ModelFilesNotFound, resolve_model_path
+from dpserve_engine.model_info import load_model_info
+from dpserve_engine.settings import EngineConfig
 
 pytestmark = pytest.mark.timeout(60)
 ARGS = ModelArgs(vocab_size=260, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=128, tie_embeddings=False)
@@ -81,7 +82,7 @@ def test_hf_directory_loads_and_generates_like_the_in_memory_model(hf_dir):
 
 def test_missing_files_are_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ModelNotFound, match=r"tokenizer\.json.*safetensors"):
+    with pytest.raises(ModelFilesNotFound, match=r"tokenizer\.json.*safetensors"):
         resolve_model_path(str(tmp_path))
-    with pytest.raises(ModelNotFound, match="not found"):
+    with pytest.raises(ModelFilesNotFound, match="not found"):
         resolve_model_path(str(tmp_path / "nope"))

@@ -19,7 +19,7 @@ import torch
 from dpserve_shared.schema import EngineRequest, SamplingParams
 
 from dpserve_engine import cpu_paths
-from dpserve_engine.config import EngineConfig
+from dpserve_engine.settings import EngineConfig
 from dpserve_engine.core import EngineCore
 from dpserve_engine.scheduler import ScheduledBatch
 

@@ -11,12 +11,13 @@ import torch
 from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
 
 from dpserve_engine.block_manager import BlockManager
-from dpserve_engine.config import EngineConfig
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest
 from dpserve_engine.model import Precision, Transformer, build_model
+from dpserve_engine.model_info import load_model_info
 from dpserve_engine.model_runner import ModelRunner, StepResult
 from dpserve_engine.scheduler import ScheduledBatch, Scheduler
 from dpserve_engine.sequence import Sequence
+from dpserve_engine.settings import EngineConfig, export_inductor_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +40,8 @@ class EngineCore(EngineCoreBase):
             )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if not config.enforce_eager:
-            # before anything touches inductor (loading the int4 weights does): it fixes its cache dir on first use
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(config.cache_dir, "inductor"))
+        export_inductor_cache_dir(config)  # before anything touches inductor (loading the int4 weights does)
         if model_info is None:
-            from dpserve_engine.tokenizer import load_model_info
-
             model_info = load_model_info(config)
         if model is None:
             model = load_model(config)

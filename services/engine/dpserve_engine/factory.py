@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dpserve_engine.config import EngineConfig
 from dpserve_engine.interface import EngineCoreBase
+from dpserve_engine.model_info import load_model_info
+from dpserve_engine.settings import EngineConfig
 
 
 def build_engine_core(config: EngineConfig) -> EngineCoreBase:
     if config.null_engine:
         from dpserve_engine.null_core import NullEngineCore
-        from dpserve_engine.tokenizer import load_model_info
 
         return NullEngineCore(
             load_model_info(config), step_time_s=config.null_step_time_s, max_num_seqs=config.max_num_seqs

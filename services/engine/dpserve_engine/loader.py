@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dpserve_engine.model import ModelArgs
-from dpserve_engine.tokenizer import ModelNotFound, resolve_model_path
+from dpserve_engine.model_files import ModelFilesNotFound, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def load_hf_dir(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         cfg = json.load(f)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise ModelNotFound(f"model directory {path} has no *.safetensors files")
+        raise ModelFilesNotFound(f"model directory {path} has no *.safetensors files")
     if cfg.get("rope_scaling"):
         logger.warning("%s: rope_scaling %s is ignored (plain RoPE is used)", path, cfg["rope_scaling"])
     n_heads = cfg["num_attention_heads"]
@@ -189,6 +189,6 @@ def load_hf_dir(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     if not args.tie_embeddings and "lm_head.weight" not in state:
         args.tie_embeddings = True  # some checkpoints omit the flag but share the embedding
     if missing:
-        raise ModelNotFound(f"{path}: safetensors lack {', '.join(missing)} (not a Llama-family checkpoint?)")
+        raise ModelFilesNotFound(f"{path}: safetensors lack {', '.join(missing)} (not a Llama-family checkpoint?)")
     logger.info("loaded %d tensors in %.1f s", len(state), time.perf_counter() - started)
     return args, state  # bf16 or fp32 as stored; the model copies into its own dtypes

@@ -1,11 +1,12 @@
-"""The tokenizer built from the bundled GGUF's metadata: unicode round trips, specials, chat template."""
+"""ModelInfo: the tokenizer built from the bundled GGUF's metadata: unicode round trips, specials, chat template."""
 
 import jinja2.sandbox
 import pytest
 from tokenizers import Tokenizer
 
-from dpserve_engine.config import EngineConfig
-from dpserve_engine.tokenizer import ModelNotFound, load_model_info, resolve_model_path
+from dpserve_engine.model_files import ModelFilesNotFound, resolve_model_path
+from dpserve_engine.model_info import load_model_info
+from dpserve_engine.settings import EngineConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,6 +51,6 @@ def test_chat_template_renders_the_known_prompt(info, tokenizer):
 
 
 def test_missing_model_names_the_path(tmp_path):
-    with pytest.raises(ModelNotFound, match="config.json"):
+    with pytest.raises(ModelFilesNotFound, match="config.json"):
         (tmp_path / "tokenizer.json").write_text("{}")
         resolve_model_path(str(tmp_path))

