@@ -211,3 +211,18 @@ async def _stop_scenario() -> None:
 
 def test_stop_is_one_idempotent_transition():
     asyncio.run(_stop_scenario())
+
+
+async def _stop_while_starting_scenario() -> None:
+    launcher = FakeLauncher()
+    async with running_coordinator(launcher) as (settings, coordinator, task, ctx):
+        async with asyncio.timeout(5):
+            while launcher.started != [0]:  # launched; its engine never registers
+                await asyncio.sleep(0.01)
+        coordinator.stop()
+        assert await asyncio.wait_for(task, 5) == 0  # not after --engine-startup-timeout-s
+        assert coordinator.state is CoordinatorState.STOPPED and launcher.closed
+
+
+def test_a_stop_while_the_ranks_start_does_not_wait_for_them():
+    asyncio.run(_stop_while_starting_scenario())
