@@ -10,7 +10,6 @@ step failed or did not finish within --timeout-s (the step itself goes on), 2 on
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import uuid
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from dpserve_shared.engine_flags import engine_argv
 
-from dpserve import cli
-from dpserve_coordinator import main as coordinator_main
+from dpserve import cli, serve
+from dpserve_coordinator import settings as coordinator_settings
 
 
 def serve_args(*argv: str):
@@ -27,24 +27,24 @@ def serve_args(*argv: str):
     ],
 )
 def test_incompatible_serve_flags_are_errors(argv, message):
-    with pytest.raises(cli.UsageError, match=message):
-        cli.validate(serve_args(*argv))
+    with pytest.raises(serve.UsageError, match=message):
+        serve.validate(serve_args(*argv))
 
 
 def test_defaults_follow_vllm():
     args = serve_args()
-    cli.validate(args)
+    serve.validate(args)
     assert args.data_parallel_size == args.api_server_count == 1
     assert (args.port, args.data_parallel_backend) == (8000, "ray")
 
 
 def test_serve_passes_engine_flags_through_the_coordinator():
     args = serve_args("-dp", "2", "--max-model-len", "512", "--no-enable-prefix-caching", "--null-engine")
-    cmd = cli.coordinator_command(args, "/tmp/ready")
+    cmd = serve.coordinator_command(args, "/tmp/ready")
     assert cmd[cmd.index("--max-model-len") + 1] == "512"
     assert "--no-enable-prefix-caching" in cmd and "--null-engine" in cmd
-    coordinator_args = coordinator_main.build_parser().parse_args(cmd[3:])
-    settings = coordinator_main.settings_from_args(coordinator_args)
+    coordinator_args = coordinator_settings.build_parser().parse_args(cmd[3:])
+    settings = coordinator_settings.settings_from_args(coordinator_args)
     assert settings.data_parallel_size == settings.data_parallel_size_local == 2
     assert settings.engine_args == ("--max-model-len", "512", "--no-enable-prefix-caching", "--null-engine")
 
@@ -63,9 +63,9 @@ def test_engine_flags_reach_the_engine_and_unset_ones_keep_its_defaults():
 
 
 def test_coordinator_refuses_mp_across_nodes():
-    args = coordinator_main.build_parser().parse_args(["--data-parallel-backend", "mp", "-dp", "2", "-dpl", "1"])
+    args = coordinator_settings.build_parser().parse_args(["--data-parallel-backend", "mp", "-dp", "2", "-dpl", "1"])
     with pytest.raises(ValueError, match="--data-parallel-size-local must equal"):
-        coordinator_main.settings_from_args(args)
+        coordinator_settings.settings_from_args(args)
 
 
 def test_mp_coordinator_never_imports_ray():
@@ -73,10 +73,30 @@ def test_mp_coordinator_never_imports_ray():
     import sys
 
     code = (
-        "import sys; from dpserve_coordinator import server, main; "
-        "args = main.build_parser().parse_args(['--data-parallel-backend', 'mp']); "
-        "server.make_launcher(main.settings_from_args(args)); "
+        "import sys; from dpserve_coordinator import server, settings, supervisor; "
+        "args = settings.build_parser().parse_args(['--data-parallel-backend', 'mp']); "
+        "supervisor.make_launcher(settings.settings_from_args(args)); "
         "import dpserve_engine.service; "
         "assert 'ray' not in sys.modules and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_first_signal_asks_for_a_drain_and_the_second_stops_at_once():
+    import signal
+
+    class StubServer:
+        state = serve.ServeState.SERVING
+
+        def __init__(self):
+            self.stops: list[bool] = []
+
+        def stop(self, drain: bool = True) -> None:
+            self.stops.append(drain)
+
+    stub = StubServer()
+    lifecycle = serve._Lifecycle(stub)
+    lifecycle.on_signal(signal.SIGTERM)
+    assert lifecycle.stop_requested.is_set() and stub.stops == []  # the loop stops the children, in order
+    lifecycle.on_signal(signal.SIGINT)
+    assert stub.stops == [False]

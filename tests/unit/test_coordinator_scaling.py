@@ -167,7 +167,7 @@ async def _scale_scenario() -> None:
         early = await _recv(admin, ScaleAck)
         assert not early.accepted and "still starting its ranks" in early.error
         engine0 = await _engine(ctx, settings.control_addr, 0)
-        await asyncio.sleep(1.2)  # the start-up waiter polls every second
+        await asyncio.sleep(0.5)  # until the start-up waiter (polling every 0.1 s) saw rank 0 READY
 
         for bad, message in ((0, "between 1 and 1024, got 0"), (scaling.MAX_DATA_PARALLEL_SIZE + 1, "got 1025")):
             await _send(admin, ScaleRequest(bad))
@@ -203,12 +203,12 @@ async def _scale_scenario() -> None:
         launcher.exited[1].set()
         done = await _recv(admin, ScaleAck)
         assert done.accepted and done.is_complete and _ranks(done) == {0: EngineState.READY}
-        assert launcher.stopped == [1] and 1 not in coordinator._supervisors
+        assert launcher.stopped == [1] and not coordinator.supervisor.is_watching(1)
         await asyncio.sleep(1.5)
         assert launcher.started == [0, 1], "a removed rank must not be restarted"
         engine0.close(0)
 
-        coordinator._stopping.set()
+        coordinator.stop()
         assert await asyncio.wait_for(task, 10) == 0
 
 

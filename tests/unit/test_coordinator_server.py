@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from dpserve_coordinator.launcher import EngineLauncher
-from dpserve_coordinator.server import Coordinator
+from dpserve_coordinator.server import Coordinator, CoordinatorState
 from dpserve_coordinator.settings import CoordinatorSettings
 from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import frames, split
@@ -25,6 +25,7 @@ from dpserve_shared.schema import (
     RegisterAck,
     RegisterEngine,
     RegisterFrontend,
+    ScaleRequest,
     Shutdown,
     Topology,
     Unregister,
@@ -136,7 +137,7 @@ async def _scenario() -> None:
         await _send(frontend, Unregister("fe-1"))
         assert (await _recv(sub, FrontendGone)).frontend_id == "fe-1"
 
-        coordinator._stopping.set()
+        coordinator.stop()
         assert (await _recv(sub, Shutdown)).drain
         assert await asyncio.wait_for(task, 10) == 0
         assert launcher.closed
@@ -184,7 +185,7 @@ async def _isolation_scenario() -> None:
         await asyncio.sleep(0.3)
         assert "fe-hand" not in coordinator.registry.frontends
 
-        coordinator._stopping.set()
+        coordinator.stop()
         assert await asyncio.wait_for(task, 10) == 0
 
 
@@ -192,3 +193,36 @@ def test_messages_of_another_deployment_are_dropped(caplog):
     asyncio.run(_isolation_scenario())
     assert caplog.text.count("from deployment 'dep-other'") == 1  # logged once per foreign id
     assert "not a dpserve peer of this release" in caplog.text
+
+
+async def _stop_scenario() -> None:
+    settings = CoordinatorSettings(data_parallel_size=1, data_parallel_backend="mp", deployment_id=DEPLOYMENT)
+    coordinator = Coordinator(settings, FakeLauncher())
+    try:
+        assert coordinator.state is CoordinatorState.STARTING
+        coordinator.stop()
+        coordinator.stop()  # idempotent
+        assert coordinator.state is CoordinatorState.DRAINING
+        refused = coordinator.scaler.request("scale-1", ScaleRequest(2), "")
+        assert not refused.accepted and refused.error == "the coordinator is shutting down"
+    finally:
+        coordinator.ctx.destroy(0)
+
+
+def test_stop_is_one_idempotent_transition():
+    asyncio.run(_stop_scenario())
+
+
+async def _stop_while_starting_scenario() -> None:
+    launcher = FakeLauncher()
+    async with running_coordinator(launcher) as (settings, coordinator, task, ctx):
+        async with asyncio.timeout(5):
+            while launcher.started != [0]:  # launched; its engine never registers
+                await asyncio.sleep(0.01)
+        coordinator.stop()
+        assert await asyncio.wait_for(task, 5) == 0  # not after --engine-startup-timeout-s
+        assert coordinator.state is CoordinatorState.STOPPED and launcher.closed
+
+
+def test_a_stop_while_the_ranks_start_does_not_wait_for_them():
+    asyncio.run(_stop_while_starting_scenario())

@@ -1,11 +1,11 @@
-"""The wave protocol's races, in-process (services/coordinator/dpserve_coordinator/waves.py)."""
+"""The wave protocol's races, in-process (shared/dpserve_shared/waves.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dpserve_coordinator.waves import CoordinatorWaves, EngineWaves, FrontendWaves
 from dpserve_shared.schema import StartWave, StartWaveRequest
+from dpserve_shared.waves import CoordinatorWaves, EngineWaves, FrontendWaves
 
 pytestmark = pytest.mark.timeout(10)
 

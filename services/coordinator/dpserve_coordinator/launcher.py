@@ -1,8 +1,9 @@
 """How engine processes get started: the launcher interface and the mp backend (local child processes).
 
 Both backends start the same command, `python -m dpserve_engine.service --coordinator ... --rank R ...`; the
-engine then registers over ZMQ by itself, so a launcher only starts, supervises and stops processes. The ray
-backend (ray_backend.py) runs the command from an actor placed in the rank's placement group.
+engine then registers over ZMQ by itself, so a launcher only starts processes, reports when one exits and stops
+them; what happens when one exits (DEAD, restart) is the supervisor's (supervisor.py). The ray backend
+(ray_backend.py) runs the command from an actor placed in the rank's placement group.
 """
 
 from __future__ import annotations

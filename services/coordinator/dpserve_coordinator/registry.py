@@ -3,7 +3,8 @@
 Engine ranks move STARTING -> READY -> (DRAINING) -> DEAD. A rank is STARTING while the launcher starts its
 process, READY once its engine registered, DEAD when its process exited, it unregistered or it missed heartbeats
 (an engine that was only late and heartbeats again is READY again). A DEAD rank can be taken over by a new
-engine that registers with the same rank (a replacement). Every change bumps the topology epoch.
+engine that registers with the same rank (a replacement). Every change bumps the topology epoch; every change of
+what a LoadSnapshot lists (a rank's load, the READY set) bumps the load version. Both are bumped here only.
 
 Elastic DP (scale): `data_parallel_size` is the target size. `scale_plan(k)` says which ranks a new target adds
 (ranks below k that nobody serves or starts) and removes (every rank at or above k, highest first). Ranks being

@@ -2,11 +2,12 @@
 
 Scale up to K (new ranks N..K-1; any rank below K that nobody serves):
   1. the target size becomes K and each new rank is listed STARTING (topology broadcast);
-  2. the launcher starts it (mp: a child process; ray: a placement group planned now from the cluster's free
-     resources, and an EngineHost actor), and it is supervised like the ranks started at start-up;
+  2. the supervisor starts it through the launcher (mp: a child process; ray: a placement group planned now from
+     the cluster's free resources, and an EngineHost actor) and watches it like the ranks started at start-up;
   3. the engine registers, turns READY, and frontends connect to it from the topology and route to it;
-  4. the step completes when every new rank is READY (a rank that dies or does not register within
-     --engine-startup-timeout-s is stopped, removed and named in the error; the ranks that came up stay).
+  4. the step completes when every new rank is READY (RankSupervisor.wait_ready; a rank that dies or does not
+     register within --engine-startup-timeout-s is stopped, removed and named in the error; the ranks that came
+     up stay).
 
 Scale down to K (every rank >= K, highest first, all drained together):
   1. the target size becomes K and the ranks turn DRAINING (one topology broadcast): frontends keep their
@@ -17,9 +18,12 @@ Scale down to K (every rank >= K, highest first, all drained together):
   3. it sends the engine Shutdown(drain=True) on the control socket; the engine finishes anything that still
      runs (for the rest of the drain timeout, at least MIN_FINAL_DRAIN_S), leaves requests that arrive now
      unanswered and exits;
-  4. the launcher stops what is left (mp: SIGTERM then SIGKILL; ray: the actor stops the engine, the actor is
-     killed, the placement group removed), the supervisor does not restart it, and the rank is removed from the
+  4. the supervisor does not restart it, and has the launcher stop what is left (mp: SIGTERM then SIGKILL; ray:
+     the actor stops the engine, the actor is killed, the placement group removed); the rank is removed from the
      topology. Frontends then drop the rank; a request it never answered (no token yet) is re-sent elsewhere.
+
+The coordinator opens the scaler once every rank of the start-up is READY and closes it when it stops; the
+scaler answers the requester's second ScaleAck through the `reply` it was given.
 """
 
 from __future__ import annotations
@@ -27,15 +31,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
-from dpserve_shared.codec import encode
 from dpserve_shared.schema import MAX_DATA_PARALLEL_SIZE, EngineState, ScaleAck, ScaleRequest, Shutdown
 
 from dpserve_coordinator.launcher import LaunchError
-
-if TYPE_CHECKING:
-    from dpserve_coordinator.server import Coordinator
+from dpserve_coordinator.registry import Registry
+from dpserve_coordinator.supervisor import RankSupervisor
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -45,16 +47,26 @@ MIN_FINAL_DRAIN_S = 5.0
 _POLL_S = 0.1
 _STOP_TIMEOUT_S = 5.0  # SIGTERM -> SIGKILL once the engine was asked to exit
 
+_NOT_OPEN = "the coordinator is still starting its ranks; try again once they are ready"
+_CLOSED = "the coordinator is shutting down"
+
+Reply = Callable[[str, object], Awaitable[None]]  # send one message to one DEALER on the control socket
+
 
 class ScaleFailed(Exception):
     pass
 
 
 class Scaler:
-    """Runs one scale step at a time for the coordinator; the step's outcome goes back to its requester."""
+    """Runs one scale step at a time; the step's outcome goes back to its requester."""
 
-    def __init__(self, coordinator: Coordinator):
-        self._coordinator = coordinator
+    def __init__(self, registry: Registry, supervisor: RankSupervisor, reply: Reply,
+                 engine_startup_timeout_s: float):
+        self._registry = registry
+        self._supervisor = supervisor
+        self._reply = reply
+        self._engine_startup_timeout_s = engine_startup_timeout_s
+        self._refusal: str | None = _NOT_OPEN  # why a request is refused now, whatever it asks
         self._task: asyncio.Task | None = None
         self._target = 0
         self._started_s = 0.0
@@ -63,10 +75,25 @@ class Scaler:
     def is_scaling(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def request(self, sender: str, msg: ScaleRequest) -> ScaleAck:
+    def open(self) -> None:
+        """Every rank of the start-up is READY: requests are taken from now on."""
+        if self._refusal == _NOT_OPEN:
+            self._refusal = None
+
+    def close(self) -> None:
+        """The coordinator is stopping: refuse requests from now on and cancel a step in progress (its requester
+        gets no second answer); `wait_closed` waits until that step has unwound."""
+        self._refusal = _CLOSED
+        if self._task is not None:
+            self._task.cancel()
+
+    async def wait_closed(self) -> None:
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def request(self, sender: str, msg: ScaleRequest, pub_addr: str) -> ScaleAck:
         """Validate and start a step; the returned ack is the first answer (the second comes when it is done)."""
-        coordinator = self._coordinator
-        registry = coordinator.registry
+        registry = self._registry
         current = registry.data_parallel_size
         target = msg.data_parallel_size
 
@@ -79,10 +106,8 @@ class Scaler:
             return refuse(f"--data-parallel-size must be between 1 and {MAX_DATA_PARALLEL_SIZE}, got {target}")
         if msg.drain_timeout_s < 0:
             return refuse(f"--drain-timeout must not be negative, got {msg.drain_timeout_s:g}")
-        if coordinator.is_stopping:
-            return refuse("the coordinator is shutting down")
-        if not coordinator.is_serving:
-            return refuse("the coordinator is still starting its ranks; try again once they are ready")
+        if self._refusal is not None:
+            return refuse(self._refusal)
         if self.is_scaling:
             return refuse(
                 f"a scale to {self._target} is in progress (for {time.monotonic() - self._started_s:.0f} s); "
@@ -103,17 +128,11 @@ class Scaler:
         drain_timeout_s = msg.drain_timeout_s or SCALE_DRAIN_TIMEOUT_S
         self._task = asyncio.create_task(self._run(sender, current, target, add, remove, drain_timeout_s),
                                          name=f"scale-{target}")
-        return ScaleAck(accepted=True, data_parallel_size=target, pub_addr=coordinator.pub_addr,
-                        topology=registry.topology())
-
-    async def cancel(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        return ScaleAck(accepted=True, data_parallel_size=target, pub_addr=pub_addr, topology=registry.topology())
 
     async def _run(self, sender: str, current: int, target: int, add: list[int], remove: list[int],
                    drain_timeout_s: float) -> None:
-        registry = self._coordinator.registry
+        registry = self._registry
         log.info("scale %d -> %d: starting ranks %s, removing ranks %s", current, target, add, remove)
         try:
             if add:
@@ -133,41 +152,25 @@ class Scaler:
             log.info("scale %d -> %d done in %.1f s: ranks %s", current, target,
                      time.monotonic() - self._started_s, sorted(registry.engines))
             ack = ScaleAck(accepted=True, data_parallel_size=target, is_complete=True, topology=registry.topology())
-        await self._coordinator.reply(sender, ack)
+        await self._reply(sender, ack)
 
     # -- up -----------------------------------------------------------------------------------------------------
 
     async def _scale_up(self, ranks: list[int]) -> None:
-        coordinator = self._coordinator
-        registry = coordinator.registry
-        started = time.monotonic()
+        registry = self._registry
+        deadline = time.monotonic() + self._engine_startup_timeout_s
         failed: dict[int, str] = {}
         for rank in ranks:
             try:
-                await coordinator.launcher.start(rank)
+                await self._supervisor.start(rank)
             except Exception as e:  # noqa: BLE001 - LaunchError, or Ray's own errors: the rank must not hang STARTING
                 failed[rank] = str(e) if isinstance(e, LaunchError) else f"{type(e).__name__}: {e}"
-                continue
-            coordinator.supervise(rank)
-        deadline = started + coordinator.settings.engine_startup_timeout_s
-        waiting = [r for r in ranks if r not in failed]
-        while waiting:
-            for rank in list(waiting):
-                entry = registry.engines.get(rank)
-                if entry is not None and entry.state == EngineState.READY:
-                    waiting.remove(rank)
-                    log.info("scale: rank %d ready after %.1f s: %s", rank, time.monotonic() - started,
-                             entry.input_addr)
-                elif entry is None or entry.state == EngineState.DEAD:
-                    waiting.remove(rank)
-                    failed[rank] = entry.dead_reason if entry is not None else "gone"
-            if waiting and time.monotonic() > deadline:
-                for rank in waiting:
-                    failed[rank] = (f"did not register within --engine-startup-timeout-s "
-                                    f"{coordinator.settings.engine_startup_timeout_s:.0f} s "
-                                    f"({coordinator.launcher.describe(rank)})")
-                break
-            await asyncio.sleep(_POLL_S)
+        missing = await self._supervisor.wait_ready([r for r in ranks if r not in failed], deadline,
+                                                    log_prefix="scale: ")
+        failed.update(missing.dead)
+        for rank in missing.late:
+            failed[rank] = (f"did not register within --engine-startup-timeout-s "
+                            f"{self._engine_startup_timeout_s:.0f} s ({self._supervisor.describe([rank])})")
         if failed:
             for rank in failed:
                 await self._release(rank)
@@ -187,7 +190,7 @@ class Scaler:
         await asyncio.gather(*(self._remove(rank, final_drain_s) for rank in ranks))
 
     async def _wait_idle(self, ranks: list[int], deadline: float) -> None:
-        registry = self._coordinator.registry
+        registry = self._registry
         idle_since: dict[int, float] = {}
         pending = set(ranks)
         while pending:
@@ -209,12 +212,10 @@ class Scaler:
             await asyncio.sleep(_POLL_S)
 
     async def _remove(self, rank: int, final_drain_s: float) -> None:
-        coordinator = self._coordinator
-        entry = coordinator.registry.engines.get(rank)
+        entry = self._registry.engines.get(rank)
         if entry is not None and entry.engine_id and entry.state != EngineState.DEAD:
-            await coordinator.reply(entry.engine_id, Shutdown(drain=True, reason="scale-down",
-                                                              drain_timeout_s=final_drain_s))
-            exited = await coordinator.wait_rank_exit(rank, final_drain_s + _STOP_TIMEOUT_S)
+            await self._reply(entry.engine_id, Shutdown(drain=True, reason="scale-down", drain_timeout_s=final_drain_s))
+            exited = await self._supervisor.wait_exit(rank, final_drain_s + _STOP_TIMEOUT_S)
             if not exited:
                 log.warning("scale: rank %d did not exit within %.0f s of Shutdown", rank,
                             final_drain_s + _STOP_TIMEOUT_S)
@@ -222,9 +223,7 @@ class Scaler:
 
     async def _release(self, rank: int) -> None:
         """Stop whatever the launcher still runs for the rank, then drop it from the topology."""
-        coordinator = self._coordinator
-        coordinator.registry.retiring.add(rank)  # the supervisor must not restart it
-        await coordinator.launcher.stop(rank, _STOP_TIMEOUT_S)
-        await coordinator.forget_supervisor(rank)
-        coordinator.registry.remove_engine(rank)
+        self._registry.retire([rank])  # the supervisor must not restart it
+        await self._supervisor.stop(rank, _STOP_TIMEOUT_S)
+        self._registry.remove_engine(rank)
         log.info("scale: rank %d removed", rank)

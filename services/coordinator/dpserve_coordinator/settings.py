@@ -1,10 +1,16 @@
-"""The coordinator's settings: one frozen dataclass, built from the CLI (see main.py)."""
+"""The coordinator's settings: one frozen dataclass, its command-line flags, and the one builder that checks them.
+
+`dpserve serve` shares the deployment flags (`add_deployment_flags`) and validates its flags with this same
+builder (`settings_from_args`), so an impossible combination is refused with the same message either way.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
-from dpserve_shared.envelope import new_deployment_id
+from dpserve_shared.engine_flags import add_engine_flags, engine_argv
+from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env, new_deployment_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,3 +35,94 @@ class CoordinatorSettings:
     @property
     def control_addr(self) -> str:
         return f"tcp://{self.data_parallel_address}:{self.data_parallel_rpc_port}"
+
+
+def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that say where the ranks run and how they start: `dpserve-coordinator`'s and `dpserve serve`'s."""
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine ranks, each a full copy of the model (default: %(default)s)")
+    parser.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                        help="ranks on this node; the rest go to other Ray nodes (default: all)")
+    parser.add_argument("--data-parallel-address", default="127.0.0.1",
+                        help="address the coordinator binds and engines/API servers reach it at; on a cluster, "
+                             "this node's address (default: %(default)s)")
+    parser.add_argument("--data-parallel-rpc-port", type=int, default=29550,
+                        help="the coordinator's control port; change it to run two deployments on one host "
+                             "(default: %(default)s)")
+    parser.add_argument("--data-parallel-backend", choices=["ray", "mp"], default="ray",
+                        help="ray: engine ranks as Ray actors in placement groups (a local Ray instance unless "
+                             "--ray-address); mp: local child processes, no Ray (default: %(default)s)")
+    parser.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local instance)")
+    parser.add_argument("--ray-temp-dir", default=None, help=argparse.SUPPRESS)  # the local Ray instance's
+    parser.add_argument("--ray-wait-for-nodes-s", type=float, default=None,
+                        help="with --ray-address: how long to wait for nodes to join while the ranks do not fit "
+                             "(default: fail at once)")
+    parser.add_argument("--engine-startup-timeout-s", type=float, default=600.0,
+                        help="how long ranks may take to load, compile and register (a first start compiles for "
+                             "minutes; default: %(default)s)")
+
+
+_DESCRIPTION = """`dpserve-coordinator`: places and starts the engine ranks, keeps the registry, publishes topology and load.
+
+Engine flags (--model, --max-model-len, ...) are checked here and passed to every engine's command line.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser("dpserve-coordinator", description=_DESCRIPTION)
+    add_deployment_flags(parser)
+    parser.add_argument("--max-engine-restarts", type=int, default=3)
+    parser.add_argument("--ready-file", default=None, help="written once every rank is ready (used by dpserve serve)")
+    parser.add_argument(
+        "--deployment-id", default=deployment_id_from_env(),
+        help=f"this deployment's id, on every control and broadcast message; peers of another id are ignored "
+             f"(default: ${DEPLOYMENT_ID_ENV}, else a random one)",
+    )
+    add_engine_flags(parser)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
+    """Validate flag combinations; raise ValueError with the message a user should see."""
+    size = args.data_parallel_size
+    size_local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
+    if size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {size}")
+    if not 0 <= size_local <= size:
+        raise ValueError(
+            f"--data-parallel-size-local must be between 0 and --data-parallel-size ({size}), got {size_local}"
+        )
+    if args.data_parallel_backend == "mp":
+        if size_local != size:
+            raise ValueError(
+                "--data-parallel-backend mp runs every rank on this node, so --data-parallel-size-local must equal "
+                "--data-parallel-size; use --data-parallel-backend ray to place ranks on other nodes"
+            )
+        if args.ray_address:
+            raise ValueError("--ray-address needs --data-parallel-backend ray")
+    if size_local < size and args.data_parallel_address.startswith(("127.", "localhost")):
+        raise ValueError(
+            f"ranks on other nodes cannot reach the coordinator at --data-parallel-address "
+            f"{args.data_parallel_address}: give this node's address in the cluster"
+        )
+    if args.ray_address and args.ray_temp_dir:
+        raise ValueError("--ray-temp-dir applies to a local Ray instance only, not with --ray-address")
+    if args.ray_wait_for_nodes_s is not None and not args.ray_address:
+        raise ValueError("--ray-wait-for-nodes-s needs --ray-address (a local Ray instance does not grow)")
+    if not 0 < args.data_parallel_rpc_port < 65536:
+        raise ValueError(f"--data-parallel-rpc-port must be a TCP port, got {args.data_parallel_rpc_port}")
+    return CoordinatorSettings(
+        data_parallel_size=size,
+        data_parallel_size_local=size_local,
+        data_parallel_address=args.data_parallel_address,
+        data_parallel_rpc_port=args.data_parallel_rpc_port,
+        data_parallel_backend=args.data_parallel_backend,
+        ray_address=args.ray_address,
+        ray_temp_dir=args.ray_temp_dir,
+        ray_wait_for_nodes_s=args.ray_wait_for_nodes_s or 0.0,
+        engine_startup_timeout_s=args.engine_startup_timeout_s,
+        max_engine_restarts=args.max_engine_restarts,
+        engine_args=engine_argv(args),
+        ready_file=args.ready_file,
+        **({"deployment_id": args.deployment_id} if args.deployment_id else {}),
+    )
