@@ -11,46 +11,25 @@ from dpserve_frontend.generation import Generation, SeqDelta, new_request_id
 from dpserve_frontend.logprobs import chat_logprobs
 from dpserve_frontend.parsing import pinned_rank, read_request
 from dpserve_frontend.protocol import ChatCompletionRequest, check_chat_request, message_dicts
-from dpserve_frontend.responses import respond, usage
+from dpserve_frontend.responses import ResponseView, respond, usage
 from dpserve_frontend.spec import PromptInput, build_spec
-from dpserve_frontend.sse import chunk_template, sse_event, usage_suffix
+from dpserve_frontend.sse import sse_event
 from dpserve_frontend.state import FrontendState
 from dpserve_frontend.tokenizer import ModelTokenizer
 
 
-class _ChatCompletion:
+class _ChatCompletion(ResponseView):
     """Formats one generation as OpenAI chat completion objects."""
 
-    def __init__(self, req: ChatCompletionRequest, generation: Generation, tok: ModelTokenizer, model: str):
-        self.req = req
-        self.generation = generation
-        self.tok = tok
-        self.model = model
-        self.id = generation.request_id
-        self.created = int(time.time())
-        # Plain content deltas (no logprobs) are written from byte templates.
-        self._fast = not req.logprobs
-        self._running_usage = self.include_usage and req.stream_options.continuous_usage_stats
-        self._prefix, self._suffix = chunk_template(self.chunk([])) if self._fast else (b"", b"")
+    chunk_object = "chat.completion.chunk"
 
-    @property
-    def include_usage(self) -> bool:
-        options = self.req.stream_options
-        return bool(options and options.include_usage)
+    def __init__(self, req: ChatCompletionRequest, generation: Generation, tok: ModelTokenizer, model: str):
+        super().__init__(req, generation, tok, model, is_fast=not req.logprobs)  # fast: no logprobs
 
     def _logprobs(self, token_ids, logprobs):
         if not self.req.logprobs:
             return None
         return chat_logprobs(self.tok, token_ids, logprobs, self.req.top_logprobs or 0)
-
-    def chunk(self, choices: list[dict]) -> dict:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "choices": choices}
-        if self.include_usage:
-            # null on content chunks (the totals come last), or the running totals with continuous_usage_stats
-            options = self.req.stream_options
-            chunk["usage"] = usage(self.generation) if options.continuous_usage_stats and choices else None
-        return chunk
 
     def role_chunk(self, index: int) -> dict:
         delta = {"role": "assistant", "content": ""}
@@ -75,9 +54,8 @@ class _ChatCompletion:
             if not delta.text:
                 return None  # as `delta_choice`: nothing to say without logprobs
             # {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-            suffix = usage_suffix(usage(self.generation)) if self._running_usage else self._suffix
-            return b"".join((self._prefix, b'{"index":%d,"delta":{"content":' % delta.seq.index,
-                             orjson.dumps(delta.text), b'},"logprobs":null,"finish_reason":null}', suffix))
+            return self.template_event(b'{"index":%d,"delta":{"content":' % delta.seq.index, orjson.dumps(delta.text),
+                                       b'},"logprobs":null,"finish_reason":null}')
         choice = self.delta_choice(delta)
         return None if choice is None else sse_event(self.chunk([choice]))
 

@@ -14,9 +14,9 @@ from dpserve_frontend.generation import Generation, SeqDelta, Sequence, new_requ
 from dpserve_frontend.logprobs import completion_logprobs
 from dpserve_frontend.parsing import pinned_rank, read_request
 from dpserve_frontend.protocol import CompletionRequest, check_completion_request, check_token_id, prompt_inputs
-from dpserve_frontend.responses import respond, usage
+from dpserve_frontend.responses import ResponseView, respond, usage
 from dpserve_frontend.spec import PromptInput, build_spec
-from dpserve_frontend.sse import chunk_template, sse_event, usage_suffix
+from dpserve_frontend.sse import sse_event
 from dpserve_frontend.state import FrontendState
 from dpserve_frontend.tokenizer import ModelTokenizer
 
@@ -36,21 +36,15 @@ def read_prompts(req: CompletionRequest, tok: ModelTokenizer) -> list[PromptInpu
     return prompts
 
 
-class _Completion:
+class _Completion(ResponseView):
     """Formats one generation as OpenAI completion objects."""
 
+    chunk_object = "text_completion"
+
     def __init__(self, req: CompletionRequest, generation: Generation, tok: ModelTokenizer, model: str):
-        self.req = req
-        self.generation = generation
-        self.tok = tok
-        self.model = model
-        self.id = generation.request_id
-        self.created = int(time.time())
+        # fast: plain text deltas (no echo, no logprobs)
+        super().__init__(req, generation, tok, model, is_fast=not req.echo and req.logprobs is None)
         self._num_sent_chars: dict[int, int] = {}  # per choice, characters streamed so far (for text_offset)
-        # Plain text deltas (no echo, no logprobs) are written from byte templates.
-        self._fast = not req.echo and req.logprobs is None
-        self._running_usage = self.include_usage and req.stream_options.continuous_usage_stats
-        self._prefix, self._suffix = chunk_template(self.chunk([])) if self._fast else (b"", b"")
 
     def echo_prefix(self, seq: Sequence) -> tuple[str, list[int], list[TokenLogprob | None]]:
         prompt = self.generation.spec.prompts[seq.prompt_index]
@@ -96,25 +90,10 @@ class _Completion:
             if not delta.text and not delta.num_tokens:
                 return None
             # {"index": i, "text": text, "logprobs": None, "finish_reason": None}, as `delta_choice` builds it
-            suffix = usage_suffix(usage(self.generation)) if self._running_usage else self._suffix
-            return b"".join((self._prefix, b'{"index":%d,"text":' % delta.seq.index, orjson.dumps(delta.text),
-                             b',"logprobs":null,"finish_reason":null}', suffix))
+            return self.template_event(b'{"index":%d,"text":' % delta.seq.index, orjson.dumps(delta.text),
+                                       b',"logprobs":null,"finish_reason":null}')
         choice = self.delta_choice(delta)
         return None if choice is None else sse_event(self.chunk([choice]))
-
-    def chunk(self, choices: list[dict]) -> dict:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                 "choices": choices}
-        if self.include_usage:
-            # null on content chunks (the totals come last), or the running totals with continuous_usage_stats
-            options = self.req.stream_options
-            chunk["usage"] = usage(self.generation) if options.continuous_usage_stats and choices else None
-        return chunk
-
-    @property
-    def include_usage(self) -> bool:
-        options = self.req.stream_options
-        return bool(options and options.include_usage)
 
     def final(self) -> dict:
         return {

@@ -224,8 +224,6 @@ class EnginePool:
     def _resend(self, entry: _InFlight) -> bool:
         """Send a sequence whose rank was dropped before it produced a token to the router's pick (as it was
         stamped: same wave); False when no rank serves."""
-        if not self._router.serving_ranks:
-            return False
         try:
             rank = self._router.pick()
         except NoEngineAvailable:
