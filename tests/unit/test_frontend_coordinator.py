@@ -55,22 +55,25 @@ def test_registers_retrying_until_the_coordinator_answers_then_follows_it(model_
             coordinator = FakeCoordinator(model_info, engines[:1], port=port)
             await asyncio.wait_for(registering, 10)
             assert state.model_info.name == model_info.name
-            assert state.router.serving_ranks == [0]
+            assert state.pool.serving_ranks == [0]
             client.start()
             # a new rank appears on the broadcast channel; then a snapshot
             await asyncio.sleep(0.3)  # PUB/SUB: let the subscription reach the publisher
             coordinator.set_engines(engines)
-            await wait_for(lambda: state.router.serving_ranks == [0, 1])
+            await wait_for(lambda: state.pool.serving_ranks == [0, 1])
             coordinator.publish(LoadSnapshot([EngineLoad(0, num_waiting=5), EngineLoad(1)], wave=4,
                                              engines_running=False, timestamp=1.0))
             await wait_for(lambda: state.pool.waves.wave == 4)
-            assert state.router.pick() == 1
+            assert state.pool.router.cost(1) < state.pool.router.cost(0)  # the snapshot reached the router
             # a request while the engines are paused asks the coordinator to start a wave
-            from dpserve_frontend.generation import Generation, GenerationSpec, PromptInput
+            from dpserve_frontend.generation import Generation
+            from dpserve_frontend.spec import GenerationSpec, PromptInput
             from dpserve_shared.schema import SamplingParams
 
-            generation = Generation(state, GenerationSpec([PromptInput([1, 2])], SamplingParams(max_tokens=2)), "r1")
+            spec = GenerationSpec([PromptInput([1, 2])], SamplingParams(max_tokens=2))
+            generation = Generation(state.pool, state.tokenizer, state.metrics, spec, "r1")
             generation.start()
+            assert generation.rank == 1  # the pool routed it to the idle rank
             async for _ in generation.deltas():
                 pass
             await wait_for(lambda: coordinator.of_type(StartWaveRequest))
@@ -78,7 +81,7 @@ def test_registers_retrying_until_the_coordinator_answers_then_follows_it(model_
             assert [r.wave for e in engines for r in e.requests()] == [4]
             # rank 0 dies
             coordinator.set_engines([engines[0].info(EngineState.DEAD), engines[1]])
-            await wait_for(lambda: state.router.serving_ranks == [1])
+            await wait_for(lambda: state.pool.serving_ranks == [1])
             await wait_for(lambda: len(coordinator.of_type(Heartbeat)) >= 3)
             await client.close()
             await state.pool.close()
@@ -126,7 +129,7 @@ def test_restarted_coordinator_is_picked_up(model_info):
             client.start()
             first.close()  # the coordinator dies: the frontend keeps its topology and keeps serving
             await asyncio.sleep(0.3)
-            assert state.router.serving_ranks == [0]
+            assert state.pool.serving_ranks == [0]
             second = FakeCoordinator(model_info, [engine], port=port)  # back, with a new broadcast port
             await wait_for(lambda: second.of_type(RegisterFrontend), timeout_s=10)
             for _ in range(100):  # PUB/SUB drops what is sent before the subscription arrives: keep publishing

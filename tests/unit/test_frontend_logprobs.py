@@ -2,8 +2,7 @@
 
 import pytest
 
-from dpserve_frontend.api_chat import chat_logprobs
-from dpserve_frontend.api_completions import logprobs_object
+from dpserve_frontend.logprobs import chat_logprobs, completion_logprobs
 from dpserve_frontend.tokenizer import ModelTokenizer
 from dpserve_shared.schema import TokenLogprob
 from tests.unit._frontend_helpers import model_info  # noqa: F401
@@ -17,7 +16,7 @@ def test_completion_logprobs(model_info):
     entries = [TokenLogprob(1000, -0.5, 1, [1000, 7], [-0.5, -1.0]),
                TokenLogprob(1001, float("-inf"), 3, [5, 6], [-0.1, -0.2]),
                None]
-    out = logprobs_object(tok, ids, entries, 1, initial_offset=10)
+    out = completion_logprobs(tok, ids, entries, 1, initial_offset=10)
     assert out["tokens"] == ["()", " loc", '",']
     assert out["text_offset"] == [10, 12, 16]
     assert out["token_logprobs"] == [-0.5, -9999.0, None]

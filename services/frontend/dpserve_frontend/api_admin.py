@@ -19,12 +19,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 from aiohttp import web
+
 from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import frames, split
 from dpserve_shared.schema import MAX_DATA_PARALLEL_SIZE, EngineState, ScaleAck, ScaleRequest
 
 from dpserve_frontend.errors import APIError, BadRequest, ServiceUnavailable
-from dpserve_frontend.http_util import json_response, read_request
+from dpserve_frontend.parsing import read_request
+from dpserve_frontend.responses import json_response
 from dpserve_frontend.state import FrontendState
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class ScaleFailed(APIError):
 
 
 async def scale_elastic_ep(request: web.Request, state: FrontendState) -> web.Response:
-    req = await read_request(request, ScaleElasticEpRequest)
+    req = await read_request(request, ScaleElasticEpRequest, state.settings.strict_request_fields)
     if not 1 <= req.new_data_parallel_size <= MAX_DATA_PARALLEL_SIZE:
         raise BadRequest(
             f"new_data_parallel_size must be between 1 and {MAX_DATA_PARALLEL_SIZE}, got {req.new_data_parallel_size}",

@@ -6,11 +6,11 @@ from importlib import metadata
 
 from aiohttp import web
 
-from dpserve_frontend.api_chat import render_chat_prompt
 from dpserve_frontend.errors import BadRequest
-from dpserve_frontend.http_util import json_response, read_request
 from dpserve_frontend.metrics import CONTENT_TYPE
-from dpserve_frontend.protocol import DetokenizeRequest, TokenizeRequest, check_token_id
+from dpserve_frontend.parsing import read_request
+from dpserve_frontend.protocol import DetokenizeRequest, TokenizeRequest, check_token_id, message_dicts
+from dpserve_frontend.responses import json_response
 from dpserve_frontend.state import FrontendState
 
 
@@ -56,14 +56,14 @@ async def load(request: web.Request, state: FrontendState) -> web.Response:
 
 
 async def tokenize(request: web.Request, state: FrontendState) -> web.Response:
-    req = await read_request(request, TokenizeRequest)
+    req = await read_request(request, TokenizeRequest, state.settings.strict_request_fields)
     info, tok = state.require_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise BadRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
     if req.messages is not None:
         add_special = bool(req.add_special_tokens)
-        _, ids = render_chat_prompt(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                    add_special, req.chat_template_kwargs)
+        _, ids = tok.encode_chat(message_dicts(req.messages), req.add_generation_prompt,
+                                 req.continue_final_message, add_special, req.chat_template_kwargs)
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = tok.encode(req.prompt, add_special_tokens=add_special)
@@ -74,7 +74,7 @@ async def tokenize(request: web.Request, state: FrontendState) -> web.Response:
 
 
 async def detokenize(request: web.Request, state: FrontendState) -> web.Response:
-    req = await read_request(request, DetokenizeRequest)
+    req = await read_request(request, DetokenizeRequest, state.settings.strict_request_fields)
     _, tok = state.require_model(req.model)
     for token_id in req.tokens:
         check_token_id(token_id, tok.vocab_size, "tokens")

@@ -15,7 +15,6 @@ from dpserve_shared.schema import ModelInfo
 from dpserve_frontend import api_admin, api_chat, api_completions, api_misc
 from dpserve_frontend.coordinator_client import CoordinatorClient
 from dpserve_frontend.errors import Unauthorized, error_middleware
-from dpserve_frontend.http_util import STRICT_FIELDS_KEY
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.state import FrontendState
 
@@ -135,7 +134,6 @@ def init_app(settings: FrontendSettings, model_info: ModelInfo | None = None) ->
         middlewares.append(_auth_middleware(settings.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[STATE_KEY] = FrontendState(settings, model_info)
-    app[STRICT_FIELDS_KEY] = settings.strict_request_fields
     app.cleanup_ctx.append(_coordinator_ctx)
     app.cleanup_ctx.append(_engines_ctx)  # closed before the coordinator link: aborts go out, then Unregister
     app.cleanup_ctx.append(_stats_log_ctx)

@@ -1,4 +1,7 @@
-"""The frontend's connections to the engine ranks and its table of requests in flight.
+"""The frontend's connections to the engine ranks, its table of requests in flight, and routing.
+
+The pool owns the `Router`: `submit` picks the rank for a request (or takes its pin) and sends it there, and a
+re-send after a rank was dropped is picked by the same router; nothing else picks ranks.
 
 One DEALER per READY engine (identity = this frontend's id) connected to the engine's ROUTER, and one receive
 task per DEALER that decodes `EngineOutputs` and hands each `RequestOutput` to the queue of the HTTP request
@@ -10,6 +13,9 @@ that owns it. The pool follows the coordinator's `Topology`:
   rank removed by a scale-down finished its requests before it left), then its requests that have produced no
   token yet are re-sent to another serving rank (an engine leaves requests that reach it while it shuts down
   unanswered); the others end with an ERROR output (their text cannot be replayed).
+
+The router's loads follow the coordinator's `LoadSnapshot` (`apply_snapshot`), as does the pool's view of the
+wave (stamped on every request; a request while the engines look paused asks the coordinator to start a wave).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dpserve_shared.schema import (
     EngineRequest,
     EngineState,
     FinishReason,
+    LoadSnapshot,
     RequestOutput,
     StartWaveRequest,
     Topology,
@@ -70,14 +77,13 @@ class EnginePool:
     def __init__(
         self,
         frontend_id: str,
-        router: Router,
         context: zmq.asyncio.Context | None = None,
         on_engine_load: Callable[[EngineLoad], None] | None = None,
         on_start_wave: Callable[[StartWaveRequest], None] | None = None,
         on_resend: Callable[[], None] | None = None,
     ):
         self.frontend_id = frontend_id
-        self.router = router
+        self._router = Router()
         self._context = context or zmq.asyncio.Context.instance()
         self._engines: dict[int, _EngineConn] = {}
         self._in_flight: dict[str, _InFlight] = {}
@@ -90,7 +96,12 @@ class EnginePool:
         # The wave the coordinator last published, and whether the engines looked paused (dpserve_shared.waves).
         self.waves = FrontendWaves()
 
-    # -- topology ---------------------------------------------------------------------------------------------
+    @property
+    def router(self) -> Router:
+        """For inspection (serving ranks, costs): ranks are picked only by `submit` and re-sends."""
+        return self._router
+
+    # -- topology and load ---------------------------------------------------------------------------------------------
 
     def apply_topology(self, topology: Topology) -> None:
         if topology.epoch < self._topology_epoch:
@@ -111,16 +122,25 @@ class EnginePool:
         for rank, info in listed.items():
             if info.state == EngineState.READY and rank not in self._engines and info.input_addr:
                 self._connect(rank, info.input_addr)
-        self.router.set_serving(self.serving_ranks)
+        self._router.set_serving(self._ready_ranks())
         for rank, reason in gone:
             self._drop(rank, reason)
         for rank, info in listed.items():  # a rank that moved to a new address
             if info.state == EngineState.READY and rank not in self._engines and info.input_addr:
                 self._connect(rank, info.input_addr)
-        self.router.set_serving(self.serving_ranks)
+        self._router.set_serving(self._ready_ranks())
+
+    def apply_snapshot(self, snapshot: LoadSnapshot) -> None:
+        """A newer coordinator snapshot: the router's loads and the wave."""
+        self._router.update_snapshot(snapshot.loads)
+        self.waves.on_snapshot(snapshot.wave, snapshot.engines_running)
 
     @property
     def serving_ranks(self) -> list[int]:
+        """The ranks new requests may go to: READY in the topology and connected."""
+        return self._router.serving_ranks
+
+    def _ready_ranks(self) -> list[int]:
         return sorted(r for r, c in self._engines.items() if c.state == EngineState.READY)
 
     @property
@@ -145,22 +165,13 @@ class EnginePool:
             conn.recv_task.cancel()
         self._take_queued(conn, frontend_decoder().decode)  # a drained rank's last outputs still arrive
         conn.socket.close(linger=0)
-        self.router.set_serving(self.serving_ranks)
+        self._router.set_serving(self._ready_ranks())
         orphans = [(rid, entry) for rid, entry in self._in_flight.items() if entry.rank == rank]
         num_resent = 0
         for request_id, entry in orphans:
-            if entry.num_tokens == 0 and self.router.serving_ranks:
-                try:
-                    new_rank = self.router.pick()
-                except NoEngineAvailable:
-                    new_rank = None
-                if new_rank is not None:
-                    entry.rank = new_rank
-                    self._send(new_rank, entry.request)
-                    num_resent += 1
-                    if self._on_resend is not None:
-                        self._on_resend()
-                    continue
+            if entry.num_tokens == 0 and self._resend(entry):
+                num_resent += 1
+                continue
             del self._in_flight[request_id]
             entry.queue.put_nowait(
                 (
@@ -192,8 +203,11 @@ class EnginePool:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
-    def submit(self, requests: list[EngineRequest], rank: int, queue: OutputQueue) -> None:
-        """Send a request's sequences (all to `rank`); their outputs arrive on `queue` as (seq_index, output)."""
+    def submit(self, requests: list[EngineRequest], queue: OutputQueue, pinned_rank: int | None = None) -> int:
+        """Route a request's sequences to one rank (the router's pick, or `pinned_rank`) and send them there;
+        their outputs arrive on `queue` as (seq_index, output). Returns the rank. Raises `NoEngineAvailable` when
+        no rank serves and `RankNotServing` for a pin that does not."""
+        rank = self._router.pick(pinned_rank, num_seqs=len(requests))
         if rank not in self._engines:
             raise NoEngineAvailable(f"engine rank {rank} is not connected")
         wave, wake_up = self.waves.stamp(rank)
@@ -205,6 +219,20 @@ class EnginePool:
         if wake_up is not None and self.on_start_wave is not None:
             # The engines looked paused between waves: the coordinator wakes the other ranks too.
             self.on_start_wave(wake_up)
+        return rank
+
+    def _resend(self, entry: _InFlight) -> bool:
+        """Send a sequence whose rank was dropped before it produced a token to the router's pick (as it was
+        stamped: same wave); False when no rank serves."""
+        try:
+            rank = self._router.pick()
+        except NoEngineAvailable:
+            return False
+        entry.rank = rank
+        self._send(rank, entry.request)
+        if self._on_resend is not None:
+            self._on_resend()
+        return True
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Abort on the owning engines; further outputs for these ids are dropped."""
@@ -269,4 +297,4 @@ class EnginePool:
             if conn.recv_task is not None:
                 conn.recv_task.cancel()
             conn.socket.close(linger=500)
-        self.router.set_serving([])
+        self._router.set_serving([])

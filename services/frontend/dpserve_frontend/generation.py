@@ -1,9 +1,10 @@
 """One HTTP request's generation: its sequences on one engine rank, turned into text deltas.
 
-A request has `len(prompts) * n` sequences (choices), all routed to one rank so a shared prompt is prefilled
-once. Outputs arrive on one queue; each is detokenized, checked for stop strings (a hit finishes the sequence
-and aborts it on the engine) and handed to the endpoint as `SeqDelta`s. `close()` aborts whatever is still
-running: it runs when the client goes away, on errors and on shutdown.
+A request has `len(prompts) * n` sequences (choices), all sent to one rank (the pool picks it) so a shared
+prompt is prefilled once. Outputs arrive on one queue; each is detokenized, checked for stop strings (a hit
+finishes the sequence and aborts it on the engine) and handed to the endpoint as `SeqDelta`s. `close()` aborts
+whatever is still running: it runs when the client goes away, on errors and on shutdown. A generation uses the
+pool, the tokenizer and the metrics it is given, nothing else of the process.
 """
 
 from __future__ import annotations
@@ -17,31 +18,17 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from dpserve_shared.schema import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from dpserve_shared.schema import EngineRequest, FinishReason, RequestOutput, TokenLogprob
 
 from dpserve_frontend.detokenizer import IncrementalDetokenizer
+from dpserve_frontend.engine_pool import EnginePool
 from dpserve_frontend.errors import EngineError, ServiceUnavailable
+from dpserve_frontend.metrics import FrontendMetrics
 from dpserve_frontend.router import NoEngineAvailable, RankNotServing
-from dpserve_frontend.state import FrontendState
+from dpserve_frontend.spec import GenerationSpec
+from dpserve_frontend.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class PromptInput:
-    token_ids: list[int]
-    text: str | None = None  # the prompt as text (for echo); None when it was given as token ids
-
-
-@dataclasses.dataclass
-class GenerationSpec:
-    prompts: list[PromptInput]
-    sampling: SamplingParams
-    n: int = 1
-    stop: list[str] = dataclasses.field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    pinned_rank: int | None = None
 
 
 @dataclasses.dataclass
@@ -89,8 +76,10 @@ def new_request_id(prefix: str) -> str:
 
 
 class Generation:
-    def __init__(self, state: FrontendState, spec: GenerationSpec, request_id: str, arrival_s: float | None = None):
-        self._state = state
+    def __init__(self, pool: EnginePool, tokenizer: ModelTokenizer, metrics: FrontendMetrics, spec: GenerationSpec,
+                 request_id: str, arrival_s: float | None = None):
+        self._pool = pool
+        self._metrics = metrics
         self.spec = spec
         self.request_id = request_id
         self.rank = -1
@@ -98,8 +87,6 @@ class Generation:
         self._arrival_s = arrival_s if arrival_s is not None else time.perf_counter()  # for TTFT / e2e
         self._is_closed = False
         self._itls: list[float] = []  # inter-token gaps not yet observed (the histogram is fed per request)
-        tokenizer = state.tokenizer
-        assert tokenizer is not None
         self.seqs: list[Sequence] = []
         for p, prompt in enumerate(spec.prompts):
             for child in range(spec.n):
@@ -127,12 +114,7 @@ class Generation:
         return sum(s.num_cached_tokens for s in self.seqs if s.index % self.spec.n == 0)
 
     def start(self) -> None:
-        state = self._state
-        state.check_can_serve(self.spec.pinned_rank)
-        try:
-            self.rank = state.router.pick(self.spec.pinned_rank, num_seqs=len(self.seqs))
-        except (NoEngineAvailable, RankNotServing) as e:
-            raise ServiceUnavailable(str(e)) from None
+        """Send the sequences; the pool routes them (all to one rank) and `self.rank` is where they went."""
         arrival_time = time.time()
         requests = []
         for seq in self.seqs:
@@ -144,8 +126,8 @@ class Generation:
             prompt = self.spec.prompts[seq.prompt_index]
             requests.append(EngineRequest(seq.request_id, prompt.token_ids, sampling, arrival_time=arrival_time))
         try:
-            state.pool.submit(requests, self.rank, self._queue)
-        except NoEngineAvailable as e:
+            self.rank = self._pool.submit(requests, self._queue, self.spec.pinned_rank)
+        except (NoEngineAvailable, RankNotServing) as e:
             raise ServiceUnavailable(str(e)) from None
 
     async def deltas(self) -> AsyncIterator[list[SeqDelta]]:
@@ -179,7 +161,7 @@ class Generation:
         finish_reason = output.finish_reason
         if finish_reason is not None and (finish_reason == FinishReason.ERROR or finish_reason == FinishReason.ABORT):
             self.close()
-            self._state.metrics.engine_errors.labels(str(self.rank)).inc()
+            self._metrics.engine_errors.labels(str(self.rank)).inc()
             reason = output.error or "the engine aborted the request"
             raise EngineError(f"request failed on engine rank {self.rank}: {reason}")
         if seq.first_token_s is None:
@@ -210,7 +192,7 @@ class Generation:
         if detok.is_stopped:
             seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
             if finish_reason is None:
-                self._state.pool.abort([seq.request_id])
+                self._pool.abort([seq.request_id])
         elif finish_reason is not None:
             detok.finish()
             if detok.is_stopped:  # the released tail completed a stop string
@@ -223,10 +205,10 @@ class Generation:
     def _flush_itls(self) -> None:
         if self._itls:
             itls, self._itls = self._itls, []
-            self._state.metrics.observe_itls(self.rank, itls)
+            self._metrics.observe_itls(self.rank, itls)
 
     def _finish_metrics(self) -> None:
-        metrics = self._state.metrics
+        metrics = self._metrics
         self._flush_itls()
         metrics.count_prompt(self.rank, self.num_prompt_tokens)
         for seq in self.seqs:
@@ -254,8 +236,8 @@ class Generation:
         self._flush_itls()  # what an unfinished request measured still counts
         unfinished = [s.request_id for s in self.seqs if not s.is_finished]
         if unfinished and self.rank >= 0:
-            self._state.pool.abort(unfinished)
-            self._state.metrics.aborted.inc(len(unfinished))
+            self._pool.abort(unfinished)
+            self._metrics.aborted.inc(len(unfinished))
             log.debug("request %s: aborted %d unfinished sequences", self.request_id, len(unfinished))
 
 

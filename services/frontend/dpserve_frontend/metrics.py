@@ -224,9 +224,6 @@ class FrontendMetrics:
     def count_prompt(self, rank: int, num_prompt_tokens: int) -> None:
         self._rank(rank).prompt_tokens.inc(num_prompt_tokens)
 
-    def observe_itl(self, rank: int, seconds: float) -> None:
-        self._rank(rank).itl.observe(seconds)
-
     def observe_itls(self, rank: int, seconds: list[float]) -> None:
         """Several inter-token gaps of one request at once (see `observe_many`)."""
         observe_many(self._rank(rank).itl, seconds)

@@ -1,23 +1,20 @@
 """OpenAI request bodies as msgspec Structs, and their validation. Pure: no I/O.
 
-Decoding checks JSON syntax and types (vLLM's extensions such as `top_k`, `min_p`, `ignore_eos` are known
-here). Unknown fields, at any depth, are ignored and named once in the log, as vLLM does (SDKs and frameworks send
-vendor fields); with `strict=True` (`--strict-request-fields`) they are a 400, as OpenAI answers. `check_*`
-functions then check values and ranges. Every failure is a `BadRequest` naming the parameter, raised before
-anything reaches an engine.
+The Structs give the types (vLLM's extensions such as `top_k`, `min_p`, `ignore_eos` are known here);
+`parsing.py` decodes bodies into them. The `check_*` functions then check values and ranges, and
+`check_output_fits` the output length against the context. Every failure is a `BadRequest` naming the
+parameter, raised before anything reaches an engine. Where the two generation endpoints differ in what they ask
+of the engine, their request types say it (`requested_max_tokens`, `engine_logprobs`, ...), so that one builder
+(`spec.build_spec`) serves both.
 """
 
 from __future__ import annotations
 
-import logging
-import re
 from typing import Annotated, Any
 
 import msgspec
 
 from dpserve_frontend.errors import BadRequest
-
-log = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
@@ -35,8 +32,13 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Parameters both endpoints share (OpenAI's plus vLLM's extensions)."""
+
+    # Not fields (no annotation): how the endpoint names its prompt, and its max_tokens when none is given (None:
+    # what fits).
+    prompt_param = "prompt"
+    default_max_tokens = None
 
     model: str | None = None
     max_tokens: int | None = None
@@ -64,14 +66,35 @@ class _SamplingFields(_Request):
     prompt_logprobs: int | None = None
     request_id: str | None = None
 
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output length asked for, and the parameter that asked."""
+        return self.max_tokens, "max_tokens"
 
-class CompletionRequest(_SamplingFields):
+    def engine_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: how many top alternatives per sampled token, None for no logprobs."""
+        raise NotImplementedError
+
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+
+class CompletionRequest(SamplingFields):
     prompt: Any = None  # str | list[str] | list[int] | list[list[int]]: checked by `prompt_inputs`
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+
+    default_max_tokens = 16  # OpenAI's default for completions
+
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def engine_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs  # echo shows the prompt's logprobs too
+        return self.prompt_logprobs
 
 
 class ContentPart(msgspec.Struct):
@@ -89,7 +112,7 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = msgspec.field(default_factory=list)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -114,6 +137,16 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    prompt_param = "messages"
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class TokenizeRequest(_Request):
     model: str | None = None
@@ -131,88 +164,6 @@ class DetokenizeRequest(_Request):
     model: str | None = None
 
 
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
-
-
-_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
-_MAX_IGNORED_FIELDS = 64
-_reported_ignored: set[tuple[str, ...]] = set()
-
-
-def decode_body(body: bytes, struct: type, strict: bool = False) -> Any:
-    """JSON bytes -> a request Struct, or BadRequest with OpenAI's wording and the offending parameter.
-    Unknown fields are dropped (logged once per set of names) unless `strict`."""
-    if not body.strip():
-        raise BadRequest("the request body is empty; send a JSON object")
-    try:
-        return msgspec.json.decode(body, type=struct)
-    except msgspec.ValidationError as e:
-        if strict or not _UNKNOWN.match(str(e)):
-            raise _bad_request(e) from None
-    except msgspec.DecodeError as e:
-        raise BadRequest(f"We could not parse the JSON body of your request: {e}") from None
-    return _decode_ignoring_unknown(body, struct)
-
-
-def _decode_ignoring_unknown(body: bytes, struct: type) -> Any:
-    """The slow path, for a body with unknown fields: drop each one where msgspec finds it, and decode again."""
-    data = msgspec.json.decode(body)
-    ignored: list[str] = []
-    while True:
-        try:
-            result = msgspec.convert(data, struct)
-            break
-        except msgspec.ValidationError as e:
-            text = str(e)
-            unknown = _UNKNOWN.match(text)
-            container = _at_path(data, _param(text)) if unknown else None
-            if not isinstance(container, dict) or len(ignored) >= _MAX_IGNORED_FIELDS:
-                raise _bad_request(e) from None
-            field = unknown.group(1)
-            container.pop(field, None)
-            at = _param(text)
-            ignored.append(f"{at}.{field}" if at else field)
-    names = tuple(sorted(ignored))
-    if names not in _reported_ignored:
-        _reported_ignored.add(names)
-        log.warning("ignored request fields this server does not know: %s (logged once for this set; "
-                    "--strict-request-fields makes them a 400)", ", ".join(names))
-    return result
-
-
-def _param(text: str) -> str | None:
-    match = _PATH.search(text)
-    return match.group(1) if match else None
-
-
-def _at_path(data: Any, path: str | None) -> Any:
-    """The value at a msgspec error path such as `messages[0].content` (the whole body for None)."""
-    for name, index in _PATH_PART.findall(path or ""):
-        try:
-            data = data[int(index)] if index else data[name]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return data
-
-
-def _bad_request(e: msgspec.ValidationError) -> BadRequest:
-    text = str(e)
-    param = _param(text)
-    unknown = _UNKNOWN.match(text)
-    if unknown:
-        field = unknown.group(1)
-        at = f"{param}." if param else ""
-        return BadRequest(f"Unrecognized request argument supplied: {at}{field}", param=f"{at}{field}")
-    if "missing required field" in text:
-        missing = re.search(r"missing required field `([^`]*)`", text)
-        if missing:
-            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
-    if text.startswith("Expected `object`") and param is None:
-        return BadRequest("the request body must be a JSON object")
-    return BadRequest(f"invalid request: {text}", param=param or None)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Value checks shared by both endpoints
 # ------------------------------------------------------------------------------------------------------------
@@ -228,7 +179,7 @@ def _check_range(value, name: str, low=None, high=None, low_open=False) -> None:
         raise BadRequest(f"{name} must be <= {high}, got {value}", param=name)
 
 
-def check_sampling_fields(req: _SamplingFields, vocab_size: int) -> None:
+def check_sampling_fields(req: SamplingFields, vocab_size: int) -> None:
     _check_range(req.temperature, "temperature", 0.0, 2.0)
     _check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
     _check_range(req.min_p, "min_p", 0.0, 1.0)
@@ -261,6 +212,69 @@ def check_token_id(token_id: int, vocab_size: int, param: str) -> None:
 def check_max_tokens(value: int | None, param: str) -> None:
     if value is not None and value < 1:
         raise BadRequest(f"{param} must be at least 1, got {value}", param=param)
+
+
+def check_completion_request(req: CompletionRequest, vocab_size: int) -> None:
+    """Values of a completions request, before its prompt is read (`prompt_inputs`)."""
+    check_sampling_fields(req, vocab_size)
+    check_max_tokens(req.max_tokens, "max_tokens")
+    if req.best_of not in (None, 1):
+        raise BadRequest("best_of is only supported as 1 or null", param="best_of")
+    if req.suffix:
+        raise BadRequest("suffix is not supported", param="suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise BadRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", param="logprobs")
+
+
+def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
+    """Values of a chat request, before its messages are rendered; unsupported features are a 400."""
+    check_sampling_fields(req, vocab_size)
+    check_max_tokens(req.max_tokens, "max_tokens")
+    check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
+                             param="top_logprobs")
+        if not req.logprobs:
+            raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+    for name in ("tools", "functions", "audio", "prediction", "web_search_options"):
+        if getattr(req, name):
+            raise BadRequest(f"{name} is not supported by this server", param=name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name) not in (None, "none", "auto"):
+            raise BadRequest(f"{name} is not supported by this server", param=name)
+    if req.modalities not in (None, [], ["text"]):
+        raise BadRequest("only the 'text' modality is supported", param="modalities")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise BadRequest("only response_format {'type': 'text'} is supported", param="response_format")
+
+
+def check_output_fits(req: SamplingFields, prompt_len: int, max_model_len: int) -> int:
+    """The request's max_tokens for a prompt of `prompt_len` tokens. vLLM's rule: an explicit max_tokens that
+    does not fit is an error; a default is clamped to what fits. min_tokens must not exceed it."""
+    requested, param = req.requested_max_tokens()
+    if prompt_len >= max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input.",
+            param=req.prompt_param,
+        )
+    room = max_model_len - prompt_len
+    if requested is None:
+        default = req.default_max_tokens
+        max_tokens = room if default is None else min(default, room)
+    elif requested > room:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the input, {requested} in the completion). "
+            "Please reduce the length of the input or completion.",
+            param=param,
+        )
+    else:
+        max_tokens = requested
+    if req.min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
+    return max_tokens
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

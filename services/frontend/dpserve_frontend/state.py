@@ -1,7 +1,9 @@
-"""What one frontend process knows: the model, the engines, the router, the metrics. Shared by the handlers."""
+"""What one frontend process knows: its lifecycle state, the model, the engines, the metrics. Shared by the
+handlers."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 
@@ -10,21 +12,29 @@ from dpserve_shared.schema import EngineLoad, LoadSnapshot, ModelInfo, Topology
 from dpserve_frontend.engine_pool import EnginePool
 from dpserve_frontend.errors import BadRequest, ModelNotFound, ServiceUnavailable
 from dpserve_frontend.metrics import FrontendMetrics
-from dpserve_frontend.router import Router
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
 
+class ServerState(enum.Enum):
+    """The API server process's lifecycle (`server.ApiServer` moves it forward, never back)."""
+
+    STARTING = "starting"  # registering with the coordinator; the HTTP port is not bound yet
+    SERVING = "serving"  # the port is bound
+    DRAINING = "draining"  # stop asked: the port is closed, new requests get 503, in-flight ones run
+    STOPPED = "stopped"  # drained (or timed out), engines disconnected, unregistered
+
+
 class FrontendState:
     def __init__(self, settings: FrontendSettings, model_info: ModelInfo | None = None):
         self.settings = settings
-        self.router = Router()
+        # An app built without a server (tests) stays STARTING and serves: only DRAINING and STOPPED refuse.
+        self.server_state = ServerState.STARTING
         self.metrics = FrontendMetrics()
         self.pool = EnginePool(
             settings.frontend_id,
-            self.router,
             on_engine_load=self._on_engine_load,
             on_resend=self.metrics.resent.inc,
         )
@@ -32,11 +42,14 @@ class FrontendState:
         self.model_info: ModelInfo | None = None
         self.snapshot: LoadSnapshot | None = None
         self.engine_loads: dict[int, EngineLoad] = {}  # newest per rank (snapshot or piggybacked on outputs)
-        self.is_draining = False
         self.num_http_in_flight = 0
         self.started_at = time.time()
         if model_info is not None:
             self.set_model(model_info)
+
+    @property
+    def is_draining(self) -> bool:
+        return self.server_state in (ServerState.DRAINING, ServerState.STOPPED)
 
     # -- updates from the coordinator -------------------------------------------------------------------------
 
@@ -61,8 +74,7 @@ class FrontendState:
         if self.snapshot is not None and snapshot.timestamp and snapshot.timestamp < self.snapshot.timestamp:
             return
         self.snapshot = snapshot
-        self.router.update_snapshot(snapshot.loads)
-        self.pool.waves.on_snapshot(snapshot.wave, snapshot.engines_running)
+        self.pool.apply_snapshot(snapshot)
         self.metrics.update_snapshot(snapshot)
         for load in snapshot.loads:
             self.engine_loads[load.rank] = load
@@ -73,7 +85,7 @@ class FrontendState:
     def health(self) -> tuple[str, list[int], int]:
         """(status, serving ranks, expected size): "ok" when every expected rank serves, "degraded" when only
         some do, "unavailable" while draining or when none does."""
-        serving = self.router.serving_ranks
+        serving = self.pool.serving_ranks
         expected = max(self.pool.expected_size, len(serving))
         if self.is_draining or not serving:
             return "unavailable", serving, expected
@@ -92,7 +104,7 @@ class FrontendState:
     def check_can_serve(self, pinned_rank: int | None) -> None:
         if self.is_draining:
             raise ServiceUnavailable("the server is shutting down")
-        serving = self.router.serving_ranks
+        serving = self.pool.serving_ranks
         if pinned_rank is not None and pinned_rank not in serving:
             raise BadRequest(
                 f"X-data-parallel-rank {pinned_rank} is not a serving rank; serving ranks: {serving}",

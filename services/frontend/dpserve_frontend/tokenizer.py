@@ -36,10 +36,6 @@ class ModelTokenizer:
             env.globals["raise_exception"] = _raise_exception
             self._template = env.from_string(info.chat_template)
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         bos = self.info.bos_token_id
@@ -77,7 +73,22 @@ class ModelTokenizer:
         except (TypeError, KeyError, ValueError) as e:
             raise ChatTemplateError(f"the messages do not fit the model's chat template: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any):
-        """(prompt text, prompt ids). The template writes any BOS itself, so no special tokens are added."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return text, self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool,
+                    add_special_tokens: bool, chat_template_kwargs: dict | None) -> tuple[str, list[int]]:
+        """The prompt text and ids for a conversation (chat completions and /tokenize, so the counts agree)."""
+        if continue_final_message and add_generation_prompt:
+            raise BadRequest("continue_final_message and add_generation_prompt cannot both be true",
+                             param="continue_final_message")
+        kwargs = dict(chat_template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "bos_token", "eos_token"):
+            kwargs.pop(reserved, None)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        if continue_final_message:
+            # Leave the last message open: cut the rendered text right after its content.
+            last = messages[-1]["content"]
+            end = text.rfind(last) if last else -1
+            if end < 0:
+                raise BadRequest("continue_final_message: the final message's content is not in the rendered "
+                                 "prompt", param="continue_final_message")
+            text = text[: end + len(last)]
+        return text, self.encode(text, add_special_tokens=add_special_tokens)

@@ -1,6 +1,6 @@
 """A/B of the frontend's hot path: one API server against null engines, a git revision of the frontend vs the tree.
 
-    .venv/bin/python services/frontend/tools/ab_hot_path.py --base-rev HEAD --pairs 5
+    .venv/bin/python benchmarks/frontend_hot_path.py --base-rev HEAD --pairs 5
 
 For each pair, in turn (base, then work): `dpserve serve --data-parallel-backend mp --data-parallel-size 2
 --api-server-count 1 --null-engine --null-step-time-ms 0`, a warm-up, then `dpserve.bench_serve` at concurrency
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "services/frontend/dpserve_frontend"
 
 

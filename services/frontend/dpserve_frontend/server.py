@@ -1,0 +1,95 @@
+"""One API server process's lifecycle: STARTING -> SERVING -> DRAINING -> STOPPED (`state.ServerState`).
+
+- STARTING: the app's cleanup contexts run (register with the coordinator, retrying until it answers).
+- SERVING: the HTTP port is bound with SO_REUSEPORT, so several frontend processes share it; the ready file is
+  written once this frontend follows the coordinator's broadcasts and every expected rank serves.
+- DRAINING (`stop(drain=True)`): the port is closed, new requests on open connections get 503, in-flight
+  requests run for up to the drain timeout and are then aborted on their engines. A stop while STARTING cancels
+  the registration instead.
+- STOPPED: engines disconnected, Unregister sent; `run` returns.
+
+`stop(drain=False)` exits the process at once (a second signal): nothing is left to save, and the coordinator
+notices the silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from aiohttp import web
+
+from dpserve_frontend.app import COORDINATOR_KEY, STATE_KEY, init_app
+from dpserve_frontend.settings import FrontendSettings
+from dpserve_frontend.state import ServerState
+
+log = logging.getLogger("dpserve_frontend")
+
+
+class ApiServer:
+    def __init__(self, settings: FrontendSettings):
+        self.settings = settings
+        self.app = init_app(settings)
+        self._state = self.app[STATE_KEY]
+        self._stop_asked = asyncio.Event()
+
+    @property
+    def state(self) -> ServerState:
+        return self._state.server_state
+
+    def stop(self, drain: bool = True, exit_code: int = 1) -> None:
+        """The one way out, idempotent. With `drain`, `run` drains and returns; without it the process exits
+        now with `exit_code`."""
+        if not drain:
+            os._exit(exit_code)
+        if self.state in (ServerState.DRAINING, ServerState.STOPPED):
+            return
+        self._state.server_state = ServerState.DRAINING
+        self._stop_asked.set()
+
+    async def run(self) -> None:
+        settings = self.settings
+        runner = web.AppRunner(
+            self.app, handler_cancellation=True, shutdown_timeout=settings.drain_timeout_s, access_log=None,
+            handle_signals=False,
+        )
+        loop = asyncio.get_running_loop()
+        setup = loop.create_task(runner.setup())  # registers with the coordinator (may wait for it)
+        stop_asked = loop.create_task(self._stop_asked.wait())
+        await asyncio.wait([setup, stop_asked], return_when=asyncio.FIRST_COMPLETED)
+        if not setup.done():
+            setup.cancel()
+            await asyncio.gather(setup, return_exceptions=True)
+            await runner.cleanup()
+            self._state.server_state = ServerState.STOPPED
+            return
+        setup.result()
+        site = web.TCPSite(runner, settings.host, settings.port, reuse_port=True)
+        await site.start()
+        if self.state is ServerState.STARTING:  # not if a stop came meanwhile
+            self._state.server_state = ServerState.SERVING
+        log.info("frontend %s listening on http://%s:%d", settings.frontend_id, settings.host, settings.port)
+        ready = loop.create_task(self._write_ready_file(settings.ready_file)) if settings.ready_file else None
+        await stop_asked
+        if ready is not None:
+            ready.cancel()
+        log.info("draining %d in-flight requests (at most %.0f s)", self._state.num_http_in_flight,
+                 settings.drain_timeout_s)
+        await runner.cleanup()
+        self._state.server_state = ServerState.STOPPED
+        log.info("frontend %s stopped", settings.frontend_id)
+
+    async def _write_ready_file(self, path: str) -> None:
+        """Writes `path` once this frontend follows the coordinator's broadcasts and every expected rank serves,
+        so `dpserve serve` can tell when all of its API servers (which share one port) are ready."""
+        state = self._state
+        client = self.app.get(COORDINATOR_KEY)
+        if client is not None:
+            await client.follows_broadcasts.wait()
+        while state.health()[0] != "ok":
+            await asyncio.sleep(0.05)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(state.settings.frontend_id)
+        os.replace(tmp, path)
