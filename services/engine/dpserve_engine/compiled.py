@@ -50,9 +50,9 @@ near-tied greedy choice can differ from the eager path's (measured: as close to 
 int4 is; docs/benchmarks.md).
 
 Cost: the first compile of the two graphs takes minutes on a small machine; inductor caches what it builds
-under `<cache_dir>/inductor` (core.py sets TORCHINDUCTOR_CACHE_DIR unless it is set), but a cache hit still
-costs dynamo's tracing of the model, tens of seconds a graph. So once traced, the step is saved
-(precompiled.py) and later starts load it without tracing, in about a second. `--enforce-eager` skips all of
+under `<cache_dir>/inductor` (settings.export_inductor_cache_dir sets TORCHINDUCTOR_CACHE_DIR unless it is set),
+but a cache hit still costs dynamo's tracing of the model, tens of seconds a graph. So once traced, the step is
+saved (precompiled.py) and later starts load it without tracing, in about a second. `--enforce-eager` skips all of
 this. Only on CPU: the CUDA path has not been run here.
 """
 
