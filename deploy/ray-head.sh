@@ -19,10 +19,11 @@ dpserve-coordinator \
   --model "${DPSERVE_MODEL:-smollm2}" "$@" &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null || true' TERM INT
-status=0
-wait "$pid" || status=$?
+wait "$pid" || true
 while kill -0 "$pid" 2>/dev/null; do  # a signal ends `wait` early: wait for the coordinator itself
-  wait "$pid" || status=$?
+  wait "$pid" || true
 done
+status=0
+wait "$pid" || status=$?  # the coordinator's own exit status (the shell keeps it)
 ray stop || true
 exit "$status"
