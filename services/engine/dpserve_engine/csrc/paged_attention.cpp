@@ -3,8 +3,9 @@
 // What the eager path does with a gather, two batched matmuls and a masked softmax (model.py `_decode`), in one
 // pass that reads each sequence's K/V rows where they lie in the cache: no gathered copy, no padding to the
 // longest sequence, no mask. Each (sequence, kv head) pair is one work item: its G query heads score the
-// sequence's positions 0..pos, take a softmax and sum V. Items are independent and always summed in the same
-// order, so a sequence's output does not depend on what else is in the batch.
+// sequence's positions 0..pos, take a softmax and sum V. Items are independent, computed whole by one thread and
+// always summed in the same order, so a sequence's output does not depend on what else is in the batch, nor on
+// how the items were split among the threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -73,17 +74,28 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t* pos = positions.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  int64_t max_len = 1;
   for (int64_t d = 0; d < D; ++d) {
     TORCH_CHECK(pos[d] >= 0 && pos[d] < nb * block_size, "paged_decode_attention: position past the block table");
-    max_len = std::max(max_len, pos[d] + 1);
   }
   // Items of fewer than ~16k multiply-adds each (short contexts) go to a thread in groups.
-  const int64_t grain = std::max<int64_t>(1, 16384 / (G * max_len * hd));
-  at::parallel_for(0, D * Hkv, grain, [&](int64_t begin, int64_t end) {
+  // Items: (sequence d, kv head h), each costing its context length (its G query heads share the K/V rows read).
+  // The threads take contiguous runs of items of about equal cost, so that a lone sequence's heads spread over
+  // the threads (split by item count, they all went to one thread while another took the padding rows). Small
+  // steps stay on one thread.
+  const int64_t items = D * Hkv;
+  if (items == 0) return out;
+  std::vector<int64_t> prefix(items + 1, 0);  // prefix[i]: cost of items 0..i-1
+  for (int64_t i = 0; i < items; ++i) prefix[i + 1] = prefix[i] + pos[i / Hkv] + 1 + 8;  // + 8: an item's overhead
+  const int64_t total = prefix[items];
+  const int64_t chunks =
+      std::clamp<int64_t>(total * G * hd * 2 / 16384, 1, std::min<int64_t>(items, at::get_num_threads()));
+  const auto item_at = [&](int64_t c) {  // first item of chunk c
+    return static_cast<int64_t>(std::lower_bound(prefix.begin(), prefix.end(), total * c / chunks) - prefix.begin());
+  };
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> scores;
     std::vector<float> acc(G * hd);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = item_at(c0); item < std::min(items, item_at(c1)); ++item) {
       const int64_t d = item / Hkv, h = item % Hkv, len = pos[d] + 1;
       const float* qd = qp + (d * H + h * G) * hd;  // this kv head's G query heads
       const float* kh = kp + h * slots * hd;
