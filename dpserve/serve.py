@@ -102,7 +102,10 @@ def coordinator_command(args: argparse.Namespace, ready_file: str, deployment_id
             *coordinator_argv(args, ready_file, deployment_id)]
 
 
-def frontend_command(args: argparse.Namespace, ready_file: str | None = None, deployment_id: str = "") -> list[str]:
+def frontend_command(args: argparse.Namespace, ready_file: str | None = None, deployment_id: str = "",
+                     index: int = 0) -> list[str]:
+    """API server `index`'s command line; only the first logs the per-rank stats line (every API server sees the
+    same engines, so with several each line would appear once per server)."""
     cmd = [
         sys.executable, "-c", "import sys; from dpserve_frontend.main import main; sys.exit(main())",
         "--coordinator", f"tcp://{args.data_parallel_address}:{args.data_parallel_rpc_port}",
@@ -117,6 +120,8 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         cmd += ["--ready-file", ready_file]
     if deployment_id:
         cmd += ["--deployment-id", deployment_id]
+    if index > 0:
+        cmd += ["--stats-interval", "0"]
     return cmd
 
 
@@ -166,8 +171,8 @@ class Server:
             os.path.join(self.work_dir, f"frontend-{i}-ready") for i in range(self.args.api_server_count)
         ]
         self.frontends = [
-            self._spawn(frontend_command(self.args, path, self.deployment_id), env)
-            for path in self.frontend_ready_files
+            self._spawn(frontend_command(self.args, path, self.deployment_id, index), env)
+            for index, path in enumerate(self.frontend_ready_files)
         ]
 
     def children(self) -> list[tuple[str, subprocess.Popen]]:

@@ -49,6 +49,16 @@ def test_serve_passes_engine_flags_through_the_coordinator():
     assert settings.engine_args == ("--max-model-len", "512", "--no-enable-prefix-caching", "--null-engine")
 
 
+def test_only_the_first_api_server_logs_the_per_rank_stats_line():
+    """Every API server sees the same engines: with several, each rank's stats line would appear once per server."""
+    from dpserve_frontend import settings as frontend_settings
+
+    args = serve_args("--api-server-count", "3")
+    cmds = [serve.frontend_command(args, f"/tmp/ready-{i}", "dep-x", i) for i in range(3)]
+    parsed = [frontend_settings.settings_from_args(c[3:]) for c in cmds]
+    assert [s.stats_interval_s for s in parsed] == [10.0, 0.0, 0.0]
+
+
 def test_engine_flags_reach_the_engine_and_unset_ones_keep_its_defaults():
     from dpserve_engine import service
     from dpserve_engine.config import EngineConfig
