@@ -6,10 +6,10 @@ format: append new fields at the end with a default, and bump PROTOCOL_VERSION f
 
 They are grouped by where they go:
 
-- ToEngine:      frontend -> engine ROUTER (requests, aborts); coordinator PUB -> engine SUB (StartWave, Topology)
-- ToFrontend:    engine ROUTER -> frontend DEALER (EngineOutputs)
+- ToEngine:      frontend -> engine ROUTER (requests, aborts); nothing else is valid there
+- ToFrontend:    engine ROUTER -> frontend DEALER (EngineOutputs, EngineHello)
 - ToCoordinator: frontend/engine DEALER -> coordinator control ROUTER
-- FromCoordinator: control replies and PUB broadcasts
+- FromCoordinator: control replies and PUB broadcasts (to frontends and engines alike)
 
 Sockets and the request path are described in docs/architecture.md.
 """
@@ -20,7 +20,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: WaveComplete, ReleaseRequests and EngineRequest.prefix_block_hashes removed
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag=True, kw_only=False):
@@ -134,7 +134,6 @@ class EngineRequest(_Msg, tag="add"):
     arrival_time: float = 0.0  # time.time() at the frontend
     frontend_id: str = ""
     wave: int = 0  # the wave the frontend believed current
-    prefix_block_hashes: list[int] | None = None
 
 
 class AbortRequests(_Msg, tag="abort"):
@@ -231,12 +230,6 @@ class EngineStats(_Msg, tag="engine_stats"):
     load: EngineLoad
 
 
-class WaveComplete(_Msg, tag="wave_complete"):
-    """Engine rank 0 -> coordinator: every rank has stopped stepping; wave `wave` is over."""
-
-    wave: int
-
-
 class StartWaveRequest(_Msg, tag="start_wave_request"):
     """Frontend (first request while paused) or engine (request with a stale wave) -> coordinator."""
 
@@ -255,12 +248,6 @@ class ScaleRequest(_Msg, tag="scale"):
 
     data_parallel_size: int
     drain_timeout_s: float = 0.0
-
-
-class ReleaseRequests(_Msg, tag="release"):
-    """Frontend -> coordinator: it went away; engines abort every request it sent."""
-
-    frontend_id: str
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -310,7 +297,7 @@ class FrontendGone(_Msg, tag="frontend_gone"):
     frontend_id: str
 
 
-ToEngine = EngineRequest | AbortRequests | StartWave | Shutdown | FrontendGone | Topology
+ToEngine = EngineRequest | AbortRequests
 ToFrontend = EngineOutputs | EngineHello
 ToCoordinator = (
     RegisterEngine
@@ -318,9 +305,7 @@ ToCoordinator = (
     | Unregister
     | Heartbeat
     | EngineStats
-    | WaveComplete
     | StartWaveRequest
     | ScaleRequest
-    | ReleaseRequests
 )
 FromCoordinator = Topology | LoadSnapshot | RegisterAck | ScaleAck | StartWave | Shutdown | FrontendGone

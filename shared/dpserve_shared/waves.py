@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpserve_shared.schema import StartWave, StartWaveRequest, WaveComplete
+from dpserve_shared.schema import StartWave, StartWaveRequest
 
 
 @dataclasses.dataclass
@@ -58,12 +58,13 @@ class CoordinatorWaves:
         self.running = True
         return StartWave(self.wave, exclude_rank=request.rank)
 
-    def on_loads(self, ranks_running: list[bool]) -> WaveComplete | None:
-        """Dense models: the wave completes when every rank reports it has stopped stepping."""
+    def on_loads(self, ranks_running: list[bool]) -> int | None:
+        """Dense models: the wave completes when every rank reports it has stopped stepping; -> the wave that
+        completed, if one did."""
         if self.running and ranks_running and not any(ranks_running):
             completed = self.wave
             self.on_wave_complete(completed)
-            return WaveComplete(completed)
+            return completed
         if not self.running and any(ranks_running):
             # A rank started on its own (a request reached it first); the wave is under way.
             self.running = True

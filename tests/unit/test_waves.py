@@ -30,7 +30,7 @@ class Cluster:
         done = self.coordinator.on_loads([e.running for e in self.engines])
         if done is not None:
             for engine in self.engines:
-                engine.on_wave_complete(done.wave)
+                engine.on_wave_complete(done)
 
 
 def test_first_request_while_paused_wakes_the_other_ranks():
@@ -114,3 +114,4 @@ def test_start_wave_excluding_a_rank_does_not_touch_it():
     engine = EngineWaves(rank=1)
     assert not engine.on_start_wave(StartWave(0, exclude_rank=1))
     assert not engine.running
+

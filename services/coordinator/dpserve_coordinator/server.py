@@ -37,12 +37,10 @@ from dpserve_shared.schema import (
     RegisterAck,
     RegisterEngine,
     RegisterFrontend,
-    ReleaseRequests,
     ScaleRequest,
     Shutdown,
     StartWaveRequest,
     Unregister,
-    WaveComplete,
 )
 from dpserve_shared.waves import CoordinatorWaves
 
@@ -283,22 +281,19 @@ class Coordinator:
             if is_new:
                 log.info("frontend %s registered (pid %d, %s)", msg.frontend_id, msg.pid, msg.http_addr)
             return RegisterAck(accepted=True, pub_addr=self.pub_addr, topology=registry.topology())
-        elif isinstance(msg, (Unregister, ReleaseRequests)):
-            sender_id = msg.sender_id if isinstance(msg, Unregister) else msg.frontend_id
+        elif isinstance(msg, Unregister):
+            sender_id = msg.sender_id
             if registry.drop_frontend(sender_id):
                 log.info("frontend %s unregistered", sender_id)
                 self._publish(FrontendGone(sender_id))
             else:
                 engine = registry.engine_by_id(sender_id)
-                reason = msg.reason if isinstance(msg, Unregister) else ""
-                if engine is not None and registry.mark_dead(engine.rank, f"unregistered: {reason}"):
+                if engine is not None and registry.mark_dead(engine.rank, f"unregistered: {msg.reason}"):
                     log.info("rank %d unregistered", engine.rank)
         elif isinstance(msg, StartWaveRequest):
             start = self.waves.on_start_request(msg)
             if start is not None:
                 self._publish(start)
-        elif isinstance(msg, WaveComplete):
-            self.waves.on_wave_complete(msg.wave)
         elif isinstance(msg, ScaleRequest):
             return self.scaler.request(sender, msg, self.pub_addr)
         return None
