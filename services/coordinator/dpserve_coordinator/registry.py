@@ -30,6 +30,7 @@ from dpserve_shared.schema import (
     RegisterFrontend,
     Topology,
 )
+from dpserve_shared.timing import ENGINE_SILENCE_S, FRONTEND_SILENCE_S
 
 
 class RegistrationRefused(Exception):
@@ -70,7 +71,8 @@ class FrontendEntry:
 
 
 class Registry:
-    def __init__(self, data_parallel_size: int, engine_timeout_s: float = 10.0, frontend_timeout_s: float = 5.0):
+    def __init__(self, data_parallel_size: int, engine_timeout_s: float = ENGINE_SILENCE_S,
+                 frontend_timeout_s: float = FRONTEND_SILENCE_S):
         self.data_parallel_size = data_parallel_size
         self.engine_timeout_s = engine_timeout_s
         self.frontend_timeout_s = frontend_timeout_s

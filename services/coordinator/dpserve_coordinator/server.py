@@ -47,15 +47,14 @@ from dpserve_shared.waves import CoordinatorWaves
 from dpserve_coordinator.launcher import EngineLauncher, LaunchError
 from dpserve_coordinator.registry import Registry, RegistrationRefused
 from dpserve_coordinator.scaling import Scaler
+from dpserve_shared.timing import ENGINE_DRAIN_S, LOAD_HEARTBEAT_S, LOAD_MIN_INTERVAL_S, TOPOLOGY_REPUBLISH_S
+
 from dpserve_coordinator.settings import CoordinatorSettings
 from dpserve_coordinator.supervisor import RankSupervisor
 
 log = logging.getLogger("dpserve.coordinator")
 
-TOPOLOGY_INTERVAL_S = 2.0
-LOAD_MIN_INTERVAL_S = 0.1
-LOAD_HEARTBEAT_S = 1.0
-_SHUTDOWN_DRAIN_S = 5.0  # engines drain for 5 s (dpserve-engine --drain-timeout-s); SIGKILL after 7 s
+_SHUTDOWN_DRAIN_S = ENGINE_DRAIN_S  # engines drain this long (dpserve-engine --drain-timeout-s); SIGKILL 2 s later
 
 
 _UNBOUND_MESSAGES = (RegisterEngine, RegisterFrontend, ScaleRequest)
@@ -327,7 +326,7 @@ class Coordinator:
                 self._publish(FrontendGone(frontend_id))
             for rank in dead:
                 log.error("rank %d missed heartbeats for %.0f s: DEAD", rank, self.settings.engine_timeout_s)
-            if self.registry.epoch != published_epoch or now - last_topology >= TOPOLOGY_INTERVAL_S:
+            if self.registry.epoch != published_epoch or now - last_topology >= TOPOLOGY_REPUBLISH_S:
                 self._publish(self.registry.topology())
                 published_epoch = self.registry.epoch
                 last_topology = now

@@ -11,6 +11,7 @@ import dataclasses
 
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env, new_deployment_id
+from dpserve_shared.timing import ENGINE_SILENCE_S, FRONTEND_SILENCE_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +25,8 @@ class CoordinatorSettings:
     ray_temp_dir: str | None = None  # local Ray instance only; None: a fresh directory under /tmp
     ray_wait_for_nodes_s: float = 0.0  # --ray-address: retry an impossible placement this long (nodes joining)
     engine_startup_timeout_s: float = 600.0
-    engine_timeout_s: float = 10.0  # an engine silent this long is DEAD
-    frontend_timeout_s: float = 5.0  # a frontend silent this long is gone
+    engine_timeout_s: float = ENGINE_SILENCE_S  # an engine silent this long is DEAD
+    frontend_timeout_s: float = FRONTEND_SILENCE_S  # a frontend silent this long is gone
     max_engine_restarts: int = 3  # per rank
     engine_args: tuple[str, ...] = ()  # passed to every `dpserve-engine` command line
     ready_file: str | None = None  # written (with the topology as JSON) once every rank is READY

@@ -31,14 +31,17 @@ from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import EngineLoad, EngineStats, Heartbeat, RegisterAck, RegisterEngine, Shutdown, Unregister
 
+from dpserve_shared.timing import (  # noqa: F401 - the protocol's intervals (tests patch them here)
+    COORDINATOR_SILENCE_S,
+    COUNTERS_INTERVAL_S,
+    HEARTBEAT_INTERVAL_S,
+    STATS_MIN_INTERVAL_S,
+)
+
 from dpserve_engine.settings import ServiceSettings
 
 log = logging.getLogger("dpserve.engine")
 
-HEARTBEAT_INTERVAL_S = 1.0
-COUNTERS_INTERVAL_S = 1.0  # EngineStats with the cumulative counters at least this often
-STATS_MIN_INTERVAL_S = 0.05
-COORDINATOR_SILENCE_S = 5.0  # the coordinator broadcasts at least every second
 REGISTER_POLL_MS = 5000  # "still waiting for the coordinator" this often
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
+from dpserve_shared.timing import MAX_LOGPROBS
 
 from dpserve_engine.block_manager import BlockManager
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest
@@ -102,8 +103,8 @@ class EngineCore(EngineCoreBase):
             raise InvalidRequest(f"max_tokens must be at least 1, got {params.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and not 0 <= k <= min(vocab, 20):
-                raise InvalidRequest(f"{name} must be in [0, {min(vocab, 20)}], got {k}")
+            if k is not None and not 0 <= k <= min(vocab, MAX_LOGPROBS):
+                raise InvalidRequest(f"{name} must be in [0, {min(vocab, MAX_LOGPROBS)}], got {k}")
         if params.temperature < 0 or not 0 < params.top_p <= 1 or not 0 <= params.min_p <= 1:
             raise InvalidRequest("temperature must be >= 0, top_p in (0, 1], min_p in [0, 1]")
         blocks_needed = self.block_manager.num_blocks_for(len(prompt) + params.max_tokens)

@@ -23,6 +23,7 @@ import os
 
 from dpserve_shared.engine_flags import ENGINE_FLAGS, add_engine_flags
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
+from dpserve_shared.timing import ENGINE_DRAIN_S
 
 from dpserve_engine.model_files import DEFAULT_MODEL, is_gguf
 
@@ -92,7 +93,7 @@ class ServiceSettings:
     host: str = "127.0.0.1"
     port: int = 0  # 0: a random free port
     register_timeout_s: float = 120.0
-    drain_timeout_s: float = 5.0
+    drain_timeout_s: float = ENGINE_DRAIN_S
     adaptive_threads: bool = False  # threads.py: share the node's cores among the ranks that have work
     deployment_id: str = ""  # "": adopt the id of the coordinator that accepts this engine (envelope.py)
 

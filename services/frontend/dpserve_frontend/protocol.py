@@ -14,10 +14,11 @@ from typing import Annotated, Any
 
 import msgspec
 
+from dpserve_shared.timing import MAX_LOGPROBS  # noqa: F401 - re-exported for the handlers
+
 from dpserve_frontend.errors import BadRequest
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_LOGPROBS = 20
 MAX_N = 128
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]

@@ -9,6 +9,7 @@ import socket
 import uuid
 
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
+from dpserve_shared.timing import COORDINATOR_SILENCE_S, HEARTBEAT_INTERVAL_S
 
 ENV_PREFIX = "DPSERVE_"
 API_KEY_ENV = "DPSERVE_API_KEY"
@@ -24,9 +25,9 @@ class FrontendSettings:
     log_level: str = "info"
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may run before they are aborted
     register_timeout_s: float = 0.0  # 0 = keep retrying until the coordinator answers
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     stats_interval_s: float = 10.0  # the periodic per-rank stats log line
-    coordinator_silence_s: float = 5.0  # no broadcast for this long: register again (the coordinator restarted)
+    coordinator_silence_s: float = COORDINATOR_SILENCE_S  # no broadcast this long: register again
     deployment_id: str = ""  # "": adopt the id of the coordinator that accepts this frontend (envelope.py)
     strict_request_fields: bool = False  # unknown request fields: a 400 (OpenAI) instead of ignored (vLLM)
     ready_file: str | None = None  # written once this frontend follows the broadcasts and sees every rank serve

@@ -1,0 +1,18 @@
+"""The protocol's timing contract and the limits every side checks alike, in one place.
+
+What one side sends at a rate, another side tolerates the silence of: the numbers must agree, so the frontend,
+the engine and the coordinator all read them from here (their flags and settings take these as defaults).
+"""
+
+HEARTBEAT_INTERVAL_S = 1.0  # frontends and engines -> coordinator, whatever else they are doing
+ENGINE_SILENCE_S = 10.0  # coordinator: an engine without a heartbeat this long is DEAD (READY again if it returns)
+FRONTEND_SILENCE_S = 5.0  # coordinator: a frontend without a heartbeat this long is gone (FrontendGone broadcast)
+TOPOLOGY_REPUBLISH_S = 2.0  # coordinator: the Topology is broadcast at least this often, changed or not
+LOAD_MIN_INTERVAL_S = 0.1  # coordinator: a LoadSnapshot at most this often after a change...
+LOAD_HEARTBEAT_S = 1.0  # ...and at least this often without one
+COORDINATOR_SILENCE_S = 5.0  # frontends, engines: no broadcast this long -> register again (a restarted coordinator)
+STATS_MIN_INTERVAL_S = 0.05  # engine: EngineStats at most this often when its routing-relevant load changes
+COUNTERS_INTERVAL_S = 1.0  # engine: EngineStats with the cumulative counters at least this often
+ENGINE_DRAIN_S = 5.0  # engine: Shutdown(drain=True) lets running requests finish this long, then aborts them
+
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit): the frontend refuses more, the engine too
