@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dpserve_engine import kernels
-from dpserve_engine.model import FastHead, GroupedHead, GroupedLinear, RowSplit, q8_groups
+from dpserve_engine.quantized import FastHead, GroupedHead, GroupedLinear, RowSplit, q8_groups
 
 pytestmark = pytest.mark.timeout(120)
 

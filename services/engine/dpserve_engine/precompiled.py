@@ -38,7 +38,7 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
-_SOURCES = ("model.py", "compiled.py", "precompiled.py")
+_SOURCES = ("model.py", "quantized.py", "compiled.py", "precompiled.py")  # what the traced step runs
 PROBE_SHAPE = (4, 7)  # rows, blocks of the probe's scratch-only input (what DirectCall.capture checks with)
 
 

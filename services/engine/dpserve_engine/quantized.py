@@ -1,0 +1,154 @@
+"""The quantized layers of the model: GGUF Q4_1 linear layers on the kernel path chosen for the CPU
+(`GroupedLinear`), and the LM head on reduced-precision or Q8_0 copies of its weight (`FastHead`, `GroupedHead`).
+
+model.py builds them from the weights (`fused_linear`, `Transformer.quantize_head`); cpu_paths.py chooses the
+path; csrc/grouped_linear.cpp is the grouped kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RowSplit:
+    """Shared by a model's GroupedLinear layers: how many leading rows of this step's token batch are decodes."""
+
+    decode_rows: int = 0
+
+
+class GroupedLinear(nn.Module):
+    """Weight-only 4-bit from GGUF Q4_1 groups (w = d * q + m, 32 weights a group), repacked, not requantized,
+    on one of two kernel paths (cpu_paths.py chooses for the CPU):
+
+    - "int4": torch's CPU int4 kernel, which computes (q - 8) * scale + zero per group with bf16 scale = d and
+      zero = m + 8 d, on bf16 activations. Prefill rows go through a bf16 hi+lo copy of the same effective
+      weights (a bf16 GEMM is ~3x faster than the int4 kernel at 128 rows where bf16 is in hardware).
+    - "q4": the engine's grouped kernel (csrc/grouped_linear.cpp) on the file's nibbles with fp32 d and m and fp32
+      activations; prefill rows through an fp32 copy (MKL's sgemm). For CPUs that emulate bf16.
+
+    Decode rows (`split.decode_rows`, the leading rows) take the 4-bit kernel and prefill rows the dense copy.
+    Each kind of row always takes the same path, so a request's tokens do not depend on what it is batched with.
+    """
+
+    group_size = 32
+    prefill_only = ("dense",)  # not read by decode(): compiled.LayerStacks leaves it out
+
+    def __init__(self, q: Tensor, d: Tensor, m: Tensor, split: RowSplit, path: str = "int4", prefill_copy: bool = True):
+        super().__init__()
+        # q: [N, K] in 0..15; d, m: [N, K / 32]
+        if path not in ("int4", "q4"):
+            raise ValueError(f"GroupedLinear path must be int4 or q4, got {path!r}")
+        self.path, self.split = path, split
+        self.in_features = q.shape[1]
+        groups = q.view(q.shape[0], -1, self.group_size)
+        if path == "int4":
+            q32 = q.to(torch.int32)
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, 1))
+            scales, zeros = d.bfloat16(), (m + 8 * d).bfloat16()
+            self.register_buffer("scales_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous())
+            dense = ((groups.float() - 8) * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).view(q.shape)
+            hi = dense.bfloat16()
+            dense = torch.cat([hi, (dense - hi.float()).bfloat16()], dim=1)  # [N, 2K]
+        else:
+            nibbles = groups.to(torch.uint8)
+            self.register_buffer("qs", (nibbles[..., :16] | (nibbles[..., 16:] << 4)).view(q.shape[0], -1))
+            self.register_buffer("d", d.float().contiguous())
+            self.register_buffer("m", m.float().contiguous())
+            dense = (groups.float() * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)).view(q.shape)  # the file's w
+        self.register_buffer("dense", dense if prefill_copy else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = self.split.decode_rows
+        if n >= x.shape[0]:
+            y = self._grouped(x)
+        elif n == 0:
+            y = self._dense(x)
+        else:
+            y = torch.cat([self._grouped(x[:n]), self._dense(x[n:])])
+        return y.to(x.dtype)
+
+    def decode(self, x: Tensor, rows: int) -> Tensor:
+        """Every row a decode (the compiled decode step): the 4-bit kernel on the first `rows` rows, zeros for
+        the padding rows after them; no branch on RowSplit."""
+        y = self._grouped(x.narrow(0, 0, rows))
+        return torch.cat([y, y.new_zeros(x.shape[0] - rows, y.shape[1])]).to(x.dtype)
+
+    def _dense(self, x: Tensor) -> Tensor:
+        if self.dense is None:  # built without a prefill copy (the kernel micro-benchmark)
+            return self._grouped(x)
+        if self.path == "int4":
+            xb = x.to(torch.bfloat16)
+            return F.linear(torch.cat([xb, xb], dim=1), self.dense)
+        return F.linear(x.float(), self.dense)
+
+    def _grouped(self, x: Tensor) -> Tensor:
+        if self.path == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size,
+                                                             self.scales_zeros)  # fmt: skip
+        return torch.ops.dpserve.q4_linear(x.float(), self.qs, self.d, self.m)
+
+
+class FastHead(nn.Module):
+    """The LM head on reduced-precision copies of its weight, each row's best candidates rescored in fp32.
+
+    A decode step at batch 1 spends ~7.5 ms here streaming the fp32 [V, dim] head. Small batches (<= 8 rows)
+    use torch's int8 weight-only kernel (one scale per vocabulary row: 4x fewer bytes, ~1 ms); larger ones a
+    bf16 copy (that kernel is ~4x faster than int8's at 64 rows) where bf16 is in hardware, else the fp32 head
+    itself. Both reduced copies move logits by ~1e-3 to 1e-2, enough to swap near-tied greedy choices, so the
+    `rescore` best entries of every row are recomputed from the fp32 weight and written back: greedy choices and
+    the top logprobs are the fp32 head's; the tail is approximate.
+    """
+
+    int8_max_rows = 8
+
+    def __init__(self, weight: Tensor, rescore: int = 8, large_bf16: bool = True):
+        super().__init__()
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.register_buffer("qweight", (weight / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.bfloat16())
+        self.register_buffer("weight_bf16", weight.bfloat16() if large_bf16 else None)
+        self.rescore = rescore
+
+    def forward(self, h: Tensor, weight: Tensor) -> Tensor:
+        """h: [N, dim]; weight: the fp32 [V, dim] head -> fp32 logits [N, V]."""
+        if h.shape[0] <= self.int8_max_rows:
+            logits = torch._weight_int8pack_mm(h.bfloat16(), self.qweight, self.scales).float()
+        elif self.weight_bf16 is not None:
+            logits = F.linear(h.bfloat16(), self.weight_bf16).float()
+        else:
+            return F.linear(h.float(), weight)  # the fp32 head: nothing to rescore
+        top = logits.topk(self.rescore, dim=-1, sorted=False).indices  # [N, k]
+        exact = torch.bmm(weight[top], h.float().unsqueeze(2)).squeeze(2)  # [N, k]
+        return logits.scatter_(1, top, exact)
+
+
+class GroupedHead(nn.Module):
+    """The LM head as Q8_0 groups (w = d * q, 32 weights a group) in the engine's grouped kernel, fp32
+    activations: 4x fewer bytes than the fp32 head and, for a GGUF Q8_0 embedding, the very same weights (built
+    only when d * q reproduces the fp32 head exactly; `q8_groups`), so no rescore is needed."""
+
+    def __init__(self, q: Tensor, d: Tensor):
+        super().__init__()
+        self.register_buffer("qs", q)
+        self.register_buffer("d", d)
+
+    def forward(self, h: Tensor, weight: Tensor) -> Tensor:
+        return torch.ops.dpserve.q8_linear(h.float(), self.qs, self.d)
+
+
+def q8_groups(weight: Tensor, group_size: int = 32) -> tuple[Tensor, Tensor] | None:
+    """fp32 [V, dim] -> (q int8 [V, dim], d fp32 [V, dim / 32]) with d * q == weight exactly, or None.
+
+    A GGUF Q8_0 tensor dequantizes to d * q with d an fp16 and max |q| = 127 in each group (llama.cpp's
+    quantizer), so d is the group's max |w| / 127 rounded to fp16; any other weight fails the exactness check."""
+    V, dim = weight.shape
+    if dim % group_size:
+        return None
+    groups = weight.view(V, -1, group_size)
+    d = (groups.abs().amax(dim=-1) / 127).half().float()  # [V, G]
+    q = torch.where(d.unsqueeze(-1) > 0, groups / d.clamp(min=1e-30).unsqueeze(-1), 0).round().clamp(-127, 127)
+    if not torch.equal(q * d.unsqueeze(-1), groups):
+        return None
+    return q.to(torch.int8).view(V, dim), d.contiguous()
