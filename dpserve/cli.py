@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="serve a model: coordinator, engine ranks and API servers")
     add_serve_flags(serve_parser)
+    serve_parser.set_defaults(subparser=serve_parser)  # its errors print its own usage
     scale_parser = commands.add_parser(
         "scale", help="add or remove engine ranks of a running deployment (waits until the step is done)"
     )
@@ -31,13 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command == "serve":
+        if unknown:
+            args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
         try:
             validate(args)
         except UsageError as e:
-            parser.error(str(e))
+            args.subparser.error(str(e))
         return serve(args)
+    if unknown and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "scale":
         if args.data_parallel_size < 1:
             parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")

@@ -19,10 +19,12 @@ import argparse
 import asyncio
 import ctypes
 import enum
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +47,9 @@ class UsageError(Exception):
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as in `vllm serve MODEL` (the same as --model; default: the "
+                             "bundled smollm2)")
     coordinator_settings.add_deployment_flags(parser)
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="OpenAI API server processes sharing --port (default: %(default)s)")
@@ -67,11 +72,30 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("--null-step-time-ms needs --null-engine")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be a TCP port, got {args.port}")
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UsageError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    _check_free(args.host, args.port, "--port")
+    _check_free(args.data_parallel_address, args.data_parallel_rpc_port, "--data-parallel-rpc-port")  # coordinator's
     coordinator_args = coordinator_settings.build_parser().parse_args(coordinator_argv(args))
     try:
         coordinator_settings.settings_from_args(coordinator_args)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _check_free(host: str, port: int, flag: str) -> None:
+    """A port another process listens on is a usage error now, before Ray and the engines start (the bind would
+    fail only once the API servers or the coordinator get there)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed socket's TIME_WAIT is not "in use"
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UsageError(f"{flag} {port}: {host}:{port} is already in use by another process") from None
+            # other errors (an address not on this host, say) are reported by whoever binds it, with context
 
 
 def coordinator_argv(args: argparse.Namespace, ready_file: str | None = None, deployment_id: str = "") -> list[str]:

@@ -110,3 +110,35 @@ def test_first_signal_asks_for_a_drain_and_the_second_stops_at_once():
     assert lifecycle.stop_requested.is_set() and stub.stops == []  # the loop stops the children, in order
     lifecycle.on_signal(signal.SIGINT)
     assert stub.stops == [False]
+
+
+def test_the_model_may_be_given_positionally_as_in_vllm_serve():
+    args = serve_args("smollm2", "-dp", "2")
+    serve.validate(args)
+    cmd = serve.coordinator_command(args, "/tmp/ready")
+    assert cmd[cmd.index("--model") + 1] == "smollm2"
+    serve.validate(serve_args("m.gguf", "--model", "m.gguf"))  # the same model twice is fine
+    with pytest.raises(serve.UsageError, match="given twice"):
+        serve.validate(serve_args("a.gguf", "--model", "b.gguf"))
+
+
+def test_a_busy_port_is_a_usage_error_naming_the_flag():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(serve.UsageError, match=f"--port {port}: 127.0.0.1:{port} is already in use"):
+            serve.validate(serve_args("--host", "127.0.0.1", "--port", str(port)))
+        with pytest.raises(serve.UsageError, match=f"--data-parallel-rpc-port {port}"):
+            serve.validate(serve_args("--port", "1", "--data-parallel-rpc-port", str(port)))
+
+
+def test_serve_errors_print_serves_own_usage(capsys):
+    for argv in (["serve", "--no-such-flag"], ["serve", "--api-server-count", "0"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: dpserve serve") and err.strip().splitlines()[-1].startswith("dpserve serve: error:")
