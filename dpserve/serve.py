@@ -33,6 +33,7 @@ import urllib.error
 import urllib.request
 
 from dpserve_coordinator import settings as coordinator_settings
+from dpserve_frontend.settings import read_chat_template
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
 
@@ -58,6 +59,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $DPSERVE_API_KEY if set, "
                              "else none)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template file (or the template itself) replacing the model's own "
+                             "(default: the model's)")
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
@@ -76,6 +80,13 @@ def validate(args: argparse.Namespace) -> None:
         if args.model is not None and args.model != args.model_tag:
             raise UsageError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    if args.chat_template is not None:
+        try:
+            read_chat_template(args.chat_template)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if os.path.isfile(args.chat_template):
+            args.chat_template = os.path.abspath(args.chat_template)
     _check_free(args.host, args.port, "--port")
     _check_free(args.data_parallel_address, args.data_parallel_rpc_port, "--data-parallel-rpc-port")  # coordinator's
     coordinator_args = coordinator_settings.build_parser().parse_args(coordinator_argv(args))
@@ -140,6 +151,8 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         cmd += ["--api-key", args.api_key]
     if args.strict_request_fields:
         cmd += ["--strict-request-fields"]
+    if args.chat_template:
+        cmd += ["--chat-template", args.chat_template]
     if ready_file:
         cmd += ["--ready-file", ready_file]
     if deployment_id:

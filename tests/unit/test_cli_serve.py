@@ -142,3 +142,28 @@ def test_serve_errors_print_serves_own_usage(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("usage: dpserve serve") and err.strip().splitlines()[-1].startswith("dpserve serve: error:")
+
+
+def test_chat_template_file_replaces_the_models_own(tmp_path):
+    """vLLM's --chat-template: dpserve serve checks the file and passes it to every API server, whose tokenizer
+    renders it instead of the model's."""
+    from dpserve_frontend import settings as frontend_settings
+    from dpserve_frontend.state import FrontendState
+    from dpserve_engine.model_info import load_model_info
+    from dpserve_engine.settings import EngineConfig
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    args = serve_args("--chat-template", str(template))
+    serve.validate(args)
+    cmd = serve.frontend_command(args, "/tmp/ready")
+    assert cmd[cmd.index("--chat-template") + 1] == str(template)
+    settings = frontend_settings.settings_from_args(cmd[3:])
+    assert settings.chat_template == template.read_text()
+    state = FrontendState(settings, load_model_info(EngineConfig()))
+    assert state.model_info.chat_template == template.read_text()
+    text = state.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert text == "<user>hi"
+    for bad, message in ((str(tmp_path / "missing.jinja"), "no such file"), ("{% for %}", "line 1")):
+        with pytest.raises(serve.UsageError, match=message):
+            serve.validate(serve_args("--chat-template", bad))

@@ -31,6 +31,27 @@ class FrontendSettings:
     deployment_id: str = ""  # "": adopt the id of the coordinator that accepts this frontend (envelope.py)
     strict_request_fields: bool = False  # unknown request fields: a 400 (OpenAI) instead of ignored (vLLM)
     ready_file: str | None = None  # written once this frontend follows the broadcasts and sees every rank serve
+    chat_template: str | None = None  # --chat-template: replaces the model's own (the template's text)
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's text: a file's contents, or the value itself when it is a template (vLLM accepts both);
+    ValueError naming the flag for a missing file or a template that does not compile."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template: no such file: {value}")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template file (or the template itself) replacing the model's own, as "
+                             "vLLM's --chat-template (default: the model's)")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="written once this frontend follows the coordinator's broadcasts and every expected "
                              "rank serves (used by dpserve serve)")
@@ -75,6 +99,10 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be in 1..65535, got {args.port}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     kwargs = {}
     if args.frontend_id:
         kwargs["frontend_id"] = args.frontend_id
@@ -89,5 +117,6 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         ready_file=args.ready_file,
         strict_request_fields=args.strict_request_fields,
         deployment_id=args.deployment_id,
+        chat_template=chat_template,
         **kwargs,
     )

@@ -7,6 +7,7 @@ import enum
 import logging
 import time
 
+import msgspec
 from dpserve_shared.schema import EngineLoad, LoadSnapshot, ModelInfo, Topology
 
 from dpserve_frontend.engine_pool import EnginePool
@@ -54,6 +55,8 @@ class FrontendState:
     # -- updates from the coordinator -------------------------------------------------------------------------
 
     def set_model(self, info: ModelInfo) -> None:
+        if self.settings.chat_template is not None:  # --chat-template replaces the model's own
+            info = msgspec.structs.replace(info, chat_template=self.settings.chat_template)
         if self.model_info is not None and info.tokenizer_json == self.model_info.tokenizer_json:
             if info != self.model_info:
                 self.model_info = info
