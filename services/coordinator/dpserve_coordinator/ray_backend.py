@@ -17,6 +17,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -40,6 +41,24 @@ log = logging.getLogger(__name__)
 RAY_NAMESPACE = "dpserve"
 _PLACEMENT_TIMEOUT_S = 30.0
 LOCAL_RAY_MAX_RANKS = 8  # ranks a local Ray instance has room for (more if started with more)
+
+
+class _QuietRay(logging.Filter):
+    """Drops Ray's start-up warnings that a dpserve user cannot act on: the SIGTERM handler (the coordinator
+    handles its own signals) and the note that token auth is on (dpserve keeps it on, by design)."""
+
+    NOT_ACTIONABLE = ("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.NOT_ACTIONABLE)
+
+
+def _quiet_ray_logs() -> None:
+    """No ANSI colour in Ray's forwarded worker lines unless they go to a terminal; no unactionable warnings."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray reads it when it prints a worker's line
+    for name in ("ray._private.worker", "ray._private.authentication.authentication_token_setup"):
+        logging.getLogger(name).addFilter(_QuietRay())
 
 
 def actor_name(rank: int) -> str:
@@ -134,6 +153,7 @@ class RayLauncher(EngineLauncher):
         # local instance runs them at 0, like mp; a cluster's nodes are started so by deploy/ray-*.sh.
         os.environ.setdefault("RAY_worker_niceness", "0")
         started = time.monotonic()
+        _quiet_ray_logs()
         if self._settings.ray_address:
             try:
                 ray.init(address=self._settings.ray_address, namespace=RAY_NAMESPACE, log_to_driver=True)
