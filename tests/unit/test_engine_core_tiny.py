@@ -269,6 +269,22 @@ def test_saved_decode_step_loads_without_tracing_and_gives_the_same_tokens(model
     assert tokens(run(third, requests)) == eager
 
 
+@pytest.mark.timeout(120)
+def test_preparing_the_decode_step_reports_its_phase(model, tmp_path, monkeypatch, caplog):
+    """A progress line at least every PROGRESS_INTERVAL_S while the step is traced and compiled (here every
+    50 ms): minutes of silence at start-up look like a hang."""
+    import logging
+
+    from dpserve_engine import model_runner
+
+    caplog.set_level(logging.INFO, logger="dpserve_engine")
+    monkeypatch.setattr(model_runner, "PROGRESS_INTERVAL_S", 0.05)
+    engine(model, enforce_eager=False, cache_dir=fresh_cache_dir(tmp_path))
+    lines = [r.getMessage() for r in caplog.records if "s so far (decode runs eagerly meanwhile)" in r.getMessage()]
+    assert lines and all(line.startswith("decode step: ") for line in lines)
+    assert any("tracing and compiling the" in line or "checking the direct calls" in line for line in lines)
+
+
 @pytest.mark.timeout(180)
 def test_compiled_path_fails_safe(model, tmp_path, monkeypatch, caplog):
     """The direct call reads torch internals. Whatever goes wrong there, requests get the eager tokens: a capture

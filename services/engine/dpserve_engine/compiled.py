@@ -201,6 +201,7 @@ class CompiledDecode:
         self.parallel = _Graph("parallel", layers, kv_caches, {**options, "cpp.dynamic_threads": True})
         self.num_calls = 0
         self.num_fallbacks = 0
+        self.phase = "not started"  # what warm_up() is doing, for progress lines
 
     @property
     def graphs(self) -> tuple[_Graph, _Graph]:
@@ -293,6 +294,7 @@ class CompiledDecode:
         """Set up both graphs: from a saved step (precompiled.py) when there is one; else compile them (or load
         their code from inductor's cache), on padding rows only (they touch only the scratch block), set up
         their direct calls and save the step. `prepare(rows, blocks)` gives such inputs."""
+        self.phase = "loading the saved step"
         if self._load_saved(prepare):
             return
         from torch._dynamo.utils import counters
@@ -302,7 +304,9 @@ class CompiledDecode:
                     "it has them (else compiled: one to three minutes on 2 cores)")
         before = {k: counters[k[0]][k[1]] for k in _CACHE_COUNTERS}
         for graph in self.graphs:
+            self.phase = f"tracing and compiling the {graph.name} graph (or loading it from inductor's cache)"
             graph(prepare(self.min_rows, self.min_blocks))
+        self.phase = "checking the direct calls"
         seen = [counters[k[0]][k[1]] - before[k] for k in _CACHE_COUNTERS]
         how = "compiled" if seen[1] or seen[3] else "loaded from the cache (nothing compiled)"
         logger.info("decode step %s in %.1f s (inductor cache: %d hits, %d misses; AOT autograd cache: %d hits, %d "

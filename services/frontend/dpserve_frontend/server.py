@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from aiohttp import web
 
@@ -25,6 +26,8 @@ from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.state import ServerState
 
 log = logging.getLogger("dpserve_frontend")
+
+WAITING_NOTE_S = 10.0  # "waiting for N ranks" this often until every expected rank serves
 
 
 class ApiServer:
@@ -70,7 +73,7 @@ class ApiServer:
         if self.state is ServerState.STARTING:  # not if a stop came meanwhile
             self._state.server_state = ServerState.SERVING
         log.info("frontend %s listening on http://%s:%d", settings.frontend_id, settings.host, settings.port)
-        ready = loop.create_task(self._write_ready_file(settings.ready_file)) if settings.ready_file else None
+        ready = loop.create_task(self._wait_for_ranks(settings.ready_file))
         await stop_asked
         if ready is not None:
             ready.cancel()
@@ -80,15 +83,23 @@ class ApiServer:
         self._state.server_state = ServerState.STOPPED
         log.info("frontend %s stopped", settings.frontend_id)
 
-    async def _write_ready_file(self, path: str) -> None:
-        """Writes `path` once this frontend follows the coordinator's broadcasts and every expected rank serves,
-        so `dpserve serve` can tell when all of its API servers (which share one port) are ready."""
+    async def _wait_for_ranks(self, path: str | None) -> None:
+        """Until this frontend follows the coordinator's broadcasts and every expected rank serves, says so every
+        WAITING_NOTE_S ("waiting for N ranks"); then writes `path` (--ready-file), so `dpserve serve` can tell
+        when all of its API servers (which share one port) are ready."""
         state = self._state
         client = self.app.get(COORDINATOR_KEY)
-        if client is not None:
-            await client.follows_broadcasts.wait()
-        while state.health()[0] != "ok":
+        next_note = time.monotonic()
+        while not ((client is None or client.follows_broadcasts.is_set()) and state.health()[0] == "ok"):
+            if time.monotonic() >= next_note:
+                _, serving, expected = state.health()
+                log.info("waiting for %d rank(s) to serve (%d serving)", max(expected, 1), len(serving))
+                next_note = time.monotonic() + WAITING_NOTE_S
             await asyncio.sleep(0.05)
+        _, serving, _ = state.health()
+        log.info("all %d rank(s) serving", len(serving))
+        if path is None:
+            return
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.write(state.settings.frontend_id)
