@@ -197,12 +197,18 @@ class Server:
         self.frontend_ready_files: list[str] = []
         # On every control and broadcast message of this deployment: its peers ignore any other's (envelope.py).
         self.deployment_id = deployment_id_from_env() or new_deployment_id()
+        # A local Ray instance's temp dir, made here so that it is removed even if the coordinator dies before it
+        # can remove it (a stop during ray.init, a crash); short, under /tmp: Ray's socket paths have a length limit
+        self.ray_temp_dir: str | None = None
+        if args.data_parallel_backend == "ray" and not args.ray_address and not args.ray_temp_dir:
+            self.ray_temp_dir = tempfile.mkdtemp(prefix="dpray-", dir="/tmp")
 
     def _spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
 
     def start(self) -> None:
-        self.coordinator = self._spawn(coordinator_command(self.args, self.ready_file, self.deployment_id))
+        args = argparse.Namespace(**{**vars(self.args), "ray_temp_dir": self.ray_temp_dir or self.args.ray_temp_dir})
+        self.coordinator = self._spawn(coordinator_command(args, self.ready_file, self.deployment_id))
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
         self.frontend_ready_files = [
             os.path.join(self.work_dir, f"frontend-{i}-ready") for i in range(self.args.api_server_count)
@@ -257,6 +263,8 @@ class Server:
         for _, proc in self.children():
             _kill_leftovers(proc)
         shutil.rmtree(self.work_dir, ignore_errors=True)
+        if self.ray_temp_dir:
+            shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
         self.state = ServeState.STOPPED
 
     def _kill_now(self) -> None:

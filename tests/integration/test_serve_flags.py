@@ -22,3 +22,55 @@ def test_serve_on_a_busy_port_fails_at_once_and_starts_nothing():
     last = done.stderr.strip().splitlines()[-1]
     assert last == f"dpserve serve: error: --port {port}: 127.0.0.1:{port} is already in use by another process"
     assert "starting" not in done.stderr and "Ray" not in done.stderr  # nothing was started
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_sigint_during_start_up_stops_everything_and_removes_rays_temp_dir(tmp_path):
+    """Ctrl-C while Ray and the ranks start: dpserve exits, no process of the deployment is left, and the local
+    Ray instance's temp dir (which dpserve serve makes) is gone."""
+    import re
+    import signal
+    import time
+
+    port, rpc_port = _free_port(), _free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([DPSERVE, "serve", "--host", "127.0.0.1", "--port", str(port), "-dp", "1",
+                                 "--data-parallel-rpc-port", str(rpc_port), "--null-engine"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not re.search(r"temp dir (/tmp/dpray-\w+)", log_path.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        temp_dir = re.search(r"temp dir (/tmp/dpray-\w+)", log_path.read_text()).group(1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + 10  # the last Ray processes may take a moment to be reaped
+    left = lambda: _processes_mentioning(f":{rpc_port}") + _processes_mentioning(temp_dir)  # noqa: E731 - Ray's too
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == []
+    assert not os.path.exists(temp_dir)
