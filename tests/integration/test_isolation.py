@@ -108,7 +108,8 @@ def test_deployments_side_by_side_and_one_stopping_while_another_starts(tmp_path
                 c = start_serve(backend="ray", rpc_port=a.rpc_port, **common)
             except pytest.fail.Exception as e:
                 text = str(e)
-                assert "cannot bind the control socket" in text and "--data-parallel-rpc-port" in text, text[-3000:]
+                taken = "is already in use" in text or "cannot bind the control socket" in text  # serve's check first
+                assert taken and "--data-parallel-rpc-port" in text, text[-3000:]
                 assert time.monotonic() < deadline, "A never released its control port"
                 time.sleep(0.5)
         servers.append(c)
