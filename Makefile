@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 DP ?= 2
 
-.PHONY: install system-deps serve test test-fast bench clean
+.PHONY: install system-deps serve test test-fast test-unit bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,10 @@ test: install system-deps
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# One layer (tests/README.md): the unit tests alone, in well under a minute.
+test-unit: install
+	$(BIN)/python -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -31,7 +31,7 @@ import urllib.request
 import pytest
 
 # Engines run eager PyTorch unless a test asks otherwise: compiling the decode step costs ~2 min per engine on a
-# cold cache (tests/e2e/test_engine_real.py covers the compiled path). Subprocesses inherit it.
+# cold cache (tests/model/test_engine_real.py covers the compiled path). Subprocesses inherit it.
 os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
 
 VENV_BIN = os.path.dirname(sys.executable)
@@ -259,6 +259,16 @@ def engine_cache_dir() -> str:
     from dpserve_engine.config import EngineConfig
 
     return EngineConfig().cache_dir
+
+
+@pytest.fixture(scope="session")
+def model_info():
+    """The bundled model's ModelInfo (tokenizer data, chat template, special ids; no weights): the frontend's tests
+    and the null engine core use it."""
+    from dpserve_engine.model_info import load_model_info
+    from dpserve_engine.settings import EngineConfig
+
+    return load_model_info(EngineConfig())
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
-"""`dpserve-frontend` as a real process against a fake coordinator and in-process null engines: two processes
-share one port (SO_REUSEPORT), SIGTERM drains in-flight requests, then Unregister; debug logs one line per
-request."""
+"""`dpserve-frontend` as a real process against a fake coordinator and a real engine loop (EngineService over
+NullEngineCore, in a thread): two processes share one port (SO_REUSEPORT), SIGTERM drains in-flight requests, then
+Unregister; debug logs one line per request."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from dpserve_shared.schema import Heartbeat, RegisterFrontend, Unregister
-from tests.unit._frontend_helpers import FakeCoordinator, FakeEngine, model_info  # noqa: F401
+from tests.integration._frontend_helpers import FakeCoordinator, NullEngine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,7 +60,7 @@ def wait_healthy(url, procs, timeout_s=60):
 
 
 def test_two_processes_one_port_and_sigterm_drains(model_info, tmp_path):
-    engine = FakeEngine(0, model_info, step_time_s=0.01)
+    engine = NullEngine(0, model_info, step_time_s=0.01)
     coordinator = FakeCoordinator(model_info, [engine])
     port = free_port()
     url = f"http://127.0.0.1:{port}"

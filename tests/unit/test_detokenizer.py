@@ -2,7 +2,6 @@
 
 import pytest
 
-from tests.unit._frontend_helpers import model_info  # noqa: F401 (fixture)
 
 from dpserve_frontend.detokenizer import IncrementalDetokenizer
 from dpserve_frontend.tokenizer import ModelTokenizer

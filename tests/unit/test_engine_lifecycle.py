@@ -1,8 +1,9 @@
 """The engine process's lifecycle (pure): the states, one idempotent stop, what signals ask for."""
 
 import signal
-import time
+import types
 
+from dpserve_engine import lifecycle as lifecycle_module
 from dpserve_engine.lifecycle import Lifecycle, ProcessState
 
 
@@ -20,10 +21,12 @@ def test_serving_then_drain_then_stopped_once_idle():
     assert lifecycle.is_stopped and lifecycle.exit_code == 0
 
 
-def test_a_drain_ends_at_its_deadline_even_with_work():
+def test_a_drain_ends_at_its_deadline_even_with_work(monkeypatch):
+    now_s = [1000.0]  # the lifecycle's clock, advanced by the test instead of sleeping
+    monkeypatch.setattr(lifecycle_module, "time", types.SimpleNamespace(monotonic=lambda: now_s[0]))
     lifecycle = Lifecycle(drain_timeout_s=5.0)
     lifecycle.stop(drain=True, reason="test", drain_timeout_s=1e-9)
-    time.sleep(0.001)
+    now_s[0] += 0.001
     lifecycle.end_drain_if_done(has_work=True)
     assert lifecycle.is_stopped
 

@@ -5,7 +5,6 @@ import pytest
 from dpserve_frontend.logprobs import chat_logprobs, completion_logprobs
 from dpserve_frontend.tokenizer import ModelTokenizer
 from dpserve_shared.schema import TokenLogprob
-from tests.unit._frontend_helpers import model_info  # noqa: F401
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -107,7 +107,8 @@ def model_info_from_hf_dir(path: str, config: EngineConfig) -> ModelInfo:
 
     with open(os.path.join(path, "config.json")) as f:
         model_config = json.load(f)
-    tokenizer_json = open(os.path.join(path, "tokenizer.json"), encoding="utf-8").read()
+    with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+        tokenizer_json = f.read()
     tokenizer = Tokenizer.from_str(tokenizer_json)
     tokenizer_config = {}
     tc_path = os.path.join(path, "tokenizer_config.json")

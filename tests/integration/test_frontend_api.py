@@ -2,7 +2,7 @@
 
 import orjson
 import pytest
-from tests.unit._frontend_helpers import FakeEngine, frontend_client, load_model_info, model_info, run  # noqa: F401
+from tests.integration._frontend_helpers import NullEngine, frontend_client, run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,7 +106,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("path,body,status,param,text", BAD_REQUESTS,
                          ids=[f"{i}-{r[3]}" for i, r in enumerate(BAD_REQUESTS)])
 def test_validation_errors_are_openai_error_objects(model_info, path, body, status, param, text):
-    engine = FakeEngine(0, model_info)
+    engine = NullEngine(0, model_info)
     try:
         async def scenario():
             async with frontend_client(model_info, [engine]) as client:
@@ -139,7 +139,7 @@ UNKNOWN_FIELDS = [
 def test_unknown_fields_are_ignored_unless_strict(model_info, caplog, path, body, first_unknown):
     """vLLM's lenience by default (served, the fields named once in the log); OpenAI's 400 with
     --strict-request-fields. A known field of the wrong type stays a 400 either way."""
-    engine = FakeEngine(0, model_info)
+    engine = NullEngine(0, model_info)
     try:
         async def scenario():
             async with frontend_client(model_info, [engine]) as client:
@@ -167,7 +167,7 @@ def test_ping_and_load(model_info):
     async def scenario():
         async with frontend_client(model_info) as client:
             assert (await client.get("/ping")).status == 503  # no rank serves yet
-        engine = FakeEngine(0, model_info)
+        engine = NullEngine(0, model_info)
         try:
             async with frontend_client(model_info, [engine]) as client:
                 for method in (client.get, client.post):
@@ -207,7 +207,7 @@ def test_wrong_content_type_415_and_api_key(model_info):
 
 
 def test_pinned_rank_must_be_serving(model_info):
-    engine = FakeEngine(0, model_info)
+    engine = NullEngine(0, model_info)
     try:
         async def scenario():
             async with frontend_client(model_info, [engine]) as client:

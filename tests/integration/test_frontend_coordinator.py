@@ -18,7 +18,7 @@ from dpserve_shared.schema import (
     StartWaveRequest,
     Unregister,
 )
-from tests.unit._frontend_helpers import FakeCoordinator, FakeEngine, model_info, run  # noqa: F401
+from tests.integration._frontend_helpers import FakeCoordinator, NullEngine, run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +39,7 @@ async def wait_for(predicate, timeout_s=5.0):
 
 def test_registers_retrying_until_the_coordinator_answers_then_follows_it(model_info):
     port = free_port()
-    engines = [FakeEngine(0, model_info), FakeEngine(1, model_info)]
+    engines = [NullEngine(0, model_info), NullEngine(1, model_info)]
     coordinator = None
     settings = FrontendSettings(coordinator_addr=f"tcp://127.0.0.1:{port}", frontend_id="fe-a",
                                 heartbeat_interval_s=0.1)
@@ -114,7 +114,7 @@ def test_refused_registration_raises(model_info):
 
 
 def test_restarted_coordinator_is_picked_up(model_info):
-    engine = FakeEngine(0, model_info)
+    engine = NullEngine(0, model_info)
     first = FakeCoordinator(model_info, [engine])
     port = int(first.control_addr.rsplit(":", 1)[1])
     second = None

@@ -1,5 +1,5 @@
-"""The frontend against in-process null engines over real ZMQ sockets: completions, chat, SSE, n, stop strings,
-usage, aborts, routing, a rank that goes away, metrics."""
+"""The frontend against real engine loops (EngineService over NullEngineCore, in threads) over real ZMQ sockets:
+completions, chat, SSE, n, stop strings, usage, aborts, routing, a rank that goes away, metrics."""
 
 import asyncio
 
@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve_frontend.app import STATE_KEY
 from dpserve_shared.schema import EngineLoad, EngineState, LoadSnapshot
-from tests.unit._frontend_helpers import FakeEngine, frontend_client, model_info, run, topology  # noqa: F401
+from tests.integration._frontend_helpers import NullEngine, frontend_client, run, topology
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -18,7 +18,7 @@ NULL_TEXT = '() loc", return\n\n   ized distled'  # what the null engine's 8 cyc
 
 @pytest.fixture
 def engines(model_info):
-    started = [FakeEngine(0, model_info), FakeEngine(1, model_info)]
+    started = [NullEngine(0, model_info), NullEngine(1, model_info)]
     yield started
     for engine in started:
         engine.close()
@@ -165,7 +165,7 @@ def test_chat_stream_and_non_stream(model_info, engines):
 
 
 def test_client_disconnect_aborts_on_engine(model_info):
-    slow = FakeEngine(0, model_info, step_time_s=0.05)
+    slow = NullEngine(0, model_info, step_time_s=0.05)
     try:
         async def scenario():
             async with frontend_client(model_info, [slow]) as client:
@@ -202,14 +202,13 @@ def test_routing_spreads_and_pins(model_info, engines):
 
 
 def test_vanished_rank_resends_requests_without_tokens(model_info):
-    stuck = FakeEngine(0, model_info, step_time_s=0.02)
-    healthy = FakeEngine(1, model_info)
+    stuck = NullEngine(0, model_info, step_time_s=0.02)
+    healthy = NullEngine(1, model_info)
     try:
         async def scenario():
             async with frontend_client(model_info, [stuck]) as client:
                 state = client.server.app[STATE_KEY]
-                stuck._stop.set()  # rank 0 stops answering: requests sit there without a token
-                stuck._thread.join()
+                stuck.stop()  # rank 0 stops answering: requests sit there without a token
                 task = asyncio.ensure_future(post_json(client, "/v1/completions", {"prompt": "x", "max_tokens": 3}))
                 await asyncio.sleep(0.2)
                 state.apply_topology(topology([stuck.info(EngineState.DEAD), healthy], epoch=2))
@@ -262,7 +261,7 @@ def test_metrics_count_exactly_what_usage_said(model_info, engines):
 
 
 def test_error_after_stream_started_is_an_error_event_then_done(model_info):
-    slow = FakeEngine(0, model_info, step_time_s=0.05)
+    slow = NullEngine(0, model_info, step_time_s=0.05)
     try:
         async def scenario():
             async with frontend_client(model_info, [slow]) as client:
@@ -285,7 +284,7 @@ def test_error_after_stream_started_is_an_error_event_then_done(model_info):
 
 
 def test_non_stream_client_disconnect_aborts_too(model_info):
-    slow = FakeEngine(0, model_info, step_time_s=0.05)
+    slow = NullEngine(0, model_info, step_time_s=0.05)
     try:
         async def scenario():
             async with frontend_client(model_info, [slow]) as client:

@@ -9,7 +9,7 @@ import pytest
 from dpserve_frontend.server import ApiServer
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.state import ServerState
-from tests.unit._frontend_helpers import run
+from tests.integration._frontend_helpers import run
 
 pytestmark = pytest.mark.timeout(30)
 

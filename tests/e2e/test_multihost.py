@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.integration import netns
+from tests.e2e import netns
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.netns]
 
