@@ -304,7 +304,8 @@ def _stop_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
                 pass
             proc.wait()
     for proc in procs:
-        if proc.returncode not in (0, None):
+        # -SIGTERM: our own SIGTERM reached it before it had set its handlers (it was still starting)
+        if proc.returncode not in (0, None, -signal.SIGTERM):
             _log(f"pid {proc.pid} exited with code {proc.returncode}")
 
 

@@ -168,6 +168,8 @@ class Coordinator:
         for rank in ranks:
             self.registry.engine_starting(rank)
         for rank in ranks:
+            if self.state is not CoordinatorState.STARTING:
+                return  # a stop came during ray.init or an earlier rank's launch: start nothing more
             await self.supervisor.start(rank)
         deadline = started + settings.engine_startup_timeout_s
         missing = await self._unless_stopped(self.supervisor.wait_ready(ranks, deadline, fail_fast=True))
