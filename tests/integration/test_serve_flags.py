@@ -1,6 +1,7 @@
 """`dpserve serve` on a port that is taken: a one-line error naming the flag, before anything is started."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -85,9 +86,12 @@ def test_sigint_during_start_up_stops_everything_and_removes_rays_temp_dir(tmp_p
         # A bound on liveness, not a timing: a stop that waits for a rank's start-up or a drain would take 20-35 s
         assert proc.wait(timeout=15) == 0, log_path.read_text()[-3000:]
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # the test failed: leave nothing behind either
+            leftover = _ray_temp_dir_of(rpc_port)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            if leftover:
+                shutil.rmtree(leftover, ignore_errors=True)
     deadline = time.monotonic() + 10  # the last Ray processes may take a moment to be reaped
     left = lambda: _processes_mentioning(f":{rpc_port}") + _processes_mentioning(temp_dir)  # noqa: E731 - Ray's too
     while left() and time.monotonic() < deadline:

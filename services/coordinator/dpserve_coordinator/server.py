@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 
 import zmq
@@ -55,6 +56,7 @@ from dpserve_coordinator.supervisor import RankSupervisor
 log = logging.getLogger("dpserve.coordinator")
 
 _SHUTDOWN_DRAIN_S = ENGINE_DRAIN_S  # engines drain this long (dpserve-engine --drain-timeout-s); SIGKILL 2 s later
+_KILL_NOW_S = 3.0  # a second signal: this long to kill the engines, then the process exits regardless
 
 
 _UNBOUND_MESSAGES = (RegisterEngine, RegisterFrontend, ScaleRequest)
@@ -155,7 +157,13 @@ class Coordinator:
             self.stop(drain=True)
         else:
             log.warning("second signal: killing engines now")
-            self.stop(drain=False)
+            # Ray's calls may block (a drain's own calls are under way): bounded, then exit whatever is left
+            killer = threading.Thread(target=self.supervisor.kill_now, name="kill-now", daemon=True)
+            killer.start()
+            killer.join(_KILL_NOW_S)
+            if killer.is_alive():
+                log.warning("the engines' teardown took over %.0f s: exiting without it", _KILL_NOW_S)
+            logging.shutdown()
             os._exit(1)
 
     async def _start_ranks(self) -> None:

@@ -62,6 +62,7 @@ def _flags(out_dir: Path) -> list[str]:
             return flags
     except (OSError, ValueError):
         pass
+    logger.info("choosing the kernels' compiler flags for this CPU (once per CPU and torch version)")
     flags = _inductor_flags()
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=out_dir)

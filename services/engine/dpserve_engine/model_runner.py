@@ -20,6 +20,7 @@ import torch
 from dpserve_shared.schema import TokenLogprob
 from torch import Tensor
 
+from dpserve_engine.progress import INTERVAL_S, Ticker
 from dpserve_engine.model import AttentionMetadata, DecodeInputs, PrefillChunk, Transformer
 from dpserve_engine.sampler import SamplerOutput, SamplingTensors, sample
 from dpserve_engine.scheduler import ScheduledBatch
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_INTERVAL_S = 10.0  # a progress line this often while the decode step is being prepared
+PROGRESS_INTERVAL_S = INTERVAL_S  # a progress line this often while the decode step is being prepared
 
 
 @contextlib.contextmanager
@@ -105,24 +106,16 @@ class ModelRunner:
 
     @torch.inference_mode()  # the inputs too: the guards compare their dispatch keys with run()'s
     def _warm_up(self, compiled: CompiledDecode, cache_dir: str) -> None:
-        done = threading.Event()
-        started = time.monotonic()
-
-        def progress() -> None:  # a line every PROGRESS_INTERVAL_S: minutes of silence look like a hang
-            while not done.wait(PROGRESS_INTERVAL_S):
-                logger.info("decode step: %s, %.0f s so far (decode runs eagerly meanwhile)", compiled.phase,
-                            time.monotonic() - started)  # fmt: skip
-
-        threading.Thread(target=progress, name="compile-progress", daemon=True).start()
+        ticker = Ticker(logger, "decode step", lambda: compiled.phase, " (decode runs eagerly meanwhile)",
+                        PROGRESS_INTERVAL_S)  # fmt: skip
         try:
             compiled.phase = "waiting for another rank's compile (one at a time per cache dir)"
-            with compile_lock(cache_dir):
+            with ticker, compile_lock(cache_dir):
                 compiled.warm_up(lambda rows, blocks: self.prepare_decode_only([], rows, blocks))  # scratch rows only
         except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
             self._compile_failed(e)
             return
         finally:
-            done.set()
             if self.compile_thread is not None:
                 sys.setswitchinterval(self._switch_interval_s)
         self.compiled = compiled  # one assignment: the next step takes the compiled path

@@ -56,6 +56,7 @@ from dpserve_engine.coordinator_link import CoordinatorLink, RegistrationFailed
 from dpserve_engine.frontend_link import FrontendLink
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest
 from dpserve_engine.lifecycle import Lifecycle, ProcessState
+from dpserve_engine.progress import Ticker
 from dpserve_engine.settings import ServiceSettings, build_parser, config_from_args, settings_from_args
 from dpserve_engine.threads import ThreadBudget
 
@@ -290,7 +291,8 @@ def run(argv: list[str] | None = None) -> int:
 
     try:
         # a served rank registers before its decode step is compiled, and switches to it when it is ready
-        core = build_engine_core(dataclasses.replace(config, compile_in_background=True))
+        with Ticker(log, f"loading model {config.model}"):
+            core = build_engine_core(dataclasses.replace(config, compile_in_background=True))
     except Exception as e:  # noqa: BLE001 - the message is what the user needs; the traceback goes to debug
         log.debug("model load failed", exc_info=True)
         log.error("cannot load model %s: %s: %s", config.model, type(e).__name__, e)

@@ -1,0 +1,68 @@
+"""The start-up progress line: a phase and the seconds so far, while a long step runs."""
+
+import logging
+import threading
+
+import pytest
+
+from dpserve_engine.progress import Ticker
+
+
+class _Lines(logging.Handler):
+    def __init__(self, wanted: str):
+        super().__init__(logging.INFO)
+        self.wanted, self.lines, self.seen = wanted, [], threading.Event()
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+        if self.wanted in record.getMessage():
+            self.seen.set()
+
+
+@pytest.fixture
+def engine_log():
+    log = logging.getLogger("dpserve_engine.test_progress")
+    log.setLevel(logging.INFO)
+    yield log
+
+
+@pytest.mark.timeout(10)
+def test_the_phase_is_the_engines_latest_line_without_its_details(engine_log):
+    lines = _Lines("s so far")
+    engine_log.addHandler(lines)
+    try:
+        with Ticker(engine_log, "loading model m", interval_s=0.01):
+            engine_log.info("building the engine's C++ kernels (once; cached in /somewhere)")
+            assert lines.seen.wait(5)
+    finally:
+        engine_log.removeHandler(lines)
+    progress = [line for line in lines.lines if "so far" in line]
+    assert progress[0].startswith("loading model m: building the engine's C++ kernels, ")
+    assert progress[0].endswith(" s so far")
+
+
+@pytest.mark.timeout(10)
+def test_a_given_phase_and_suffix(engine_log):
+    lines = _Lines("so far (meanwhile)")
+    engine_log.addHandler(lines)
+    try:
+        with Ticker(engine_log, "decode step", lambda: "tracing", " (meanwhile)", interval_s=0.01):
+            assert lines.seen.wait(5)
+    finally:
+        engine_log.removeHandler(lines)
+    assert any(line.startswith("decode step: tracing, ") for line in lines.lines)
+
+
+@pytest.mark.timeout(10)
+def test_nothing_is_logged_after_the_block(engine_log):
+    lines = _Lines("so far")
+    engine_log.addHandler(lines)
+    try:
+        with Ticker(engine_log, "quick", interval_s=60):
+            pass
+        assert not lines.seen.wait(0.05)
+    finally:
+        engine_log.removeHandler(lines)
+    assert lines.lines == []
+    assert all(not isinstance(h, logging.Handler) or h.__class__.__name__ != "_LatestMessage"
+               for h in logging.getLogger("dpserve_engine").handlers)  # fmt: skip
