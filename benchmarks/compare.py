@@ -284,7 +284,7 @@ def direct_ttft(core, prompts_ids: list[list[int]], output_len: int) -> list[flo
 
 
 def serving_overhead(opts, results: dict) -> None:
-    from dpserve.bench_serve import load_tokenizer, make_prompts, word_token_pool
+    from dpserve.bench.prompts import load_tokenizer, make_prompts, word_token_pool
     from dpserve_engine.settings import EngineConfig
     from dpserve_engine.factory import build_engine_core
 

@@ -2,7 +2,8 @@
 
 - `dpserve serve`: the coordinator, the engine ranks and the API servers of one deployment (serve.py);
 - `dpserve scale --data-parallel-size K`: add or remove engine ranks of a running deployment (scale.py);
-- `dpserve bench serve|engine`: benchmarks (bench_serve.py; the engine's own `dpserve_engine.bench`).
+- `dpserve bench serve|engine`: benchmarks (the `bench` package, its command line in bench/serve.py; the engine's
+  own `dpserve_engine.bench`).
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return scale(args)
     if args.command == "bench":
         if args.kind == "serve":
-            from dpserve import bench_serve
+            from dpserve.bench.serve import main as bench_serve_main
 
-            return bench_serve.main(args.bench_args) or 0
+            return bench_serve_main(args.bench_args) or 0
         from dpserve_engine import bench as engine_bench  # imports torch: only for this command
 
         return engine_bench.main(args.bench_args) or 0

@@ -11,7 +11,7 @@ import socket
 import orjson
 import pytest
 
-from dpserve import bench_serve as bs
+from dpserve.bench.serve import main
 
 # ---------------------------------------------------------------------------------------------------------------
 # End to end against a fake streaming server
@@ -74,7 +74,7 @@ def test_main_end_to_end_against_fake_server(tmp_path, endpoint, capsys):
     thread.start()
     try:
         out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-        rc = bs.main([
+        rc = main([
             "--base-url", f"http://127.0.0.1:{port}", "--endpoint", endpoint, "--input-len", "12",
             "--output-len", "5", "--concurrency", "1,3", "--num-requests", "6", "--warmup", "1",
             "--output-json", str(out_json), "--output-png", str(out_png),
@@ -115,7 +115,7 @@ def test_main_reports_failures(tmp_path):
     thread.start()
     try:
         out_json = tmp_path / "r.json"
-        rc = bs.main([
+        rc = main([
             "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--input-len", "4", "--output-len", "13",
             "--concurrency", "2", "--num-requests", "3", "--warmup", "0", "--no-progress",
             "--output-json", str(out_json),
@@ -131,7 +131,7 @@ def test_main_reports_failures(tmp_path):
 
 
 def test_main_server_down_is_an_error():
-    assert bs.main(["--base-url", f"http://127.0.0.1:{_free_port()}", "--no-progress"]) == 1
+    assert main(["--base-url", f"http://127.0.0.1:{_free_port()}", "--no-progress"]) == 1
 
 
 @pytest.mark.timeout(60)
@@ -146,7 +146,7 @@ def test_main_poisson_rate(tmp_path):
     thread.start()
     try:
         out_json = tmp_path / "r.json"
-        rc = bs.main([
+        rc = main([
             "--base-url", f"http://127.0.0.1:{port}", "--input-len", "8", "--output-len", "3",
             "--request-rate", "200,inf", "--max-concurrency", "2", "--num-requests", "6", "--warmup", "0",
             "--no-progress", "--shared-prefix-len", "4", "--output-json", str(out_json),

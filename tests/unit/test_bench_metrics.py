@@ -6,8 +6,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dpserve import bench_serve as bs
-from dpserve.bench_serve import RequestResult, StreamState, compute_metrics, percentile, request_tpot, summarize
+from dpserve.bench.client import ClientConfig, StreamState, build_payload
+from dpserve.bench.metrics import LATENCY_METRICS, RequestResult, compute_metrics, percentile, request_tpot, summarize
+from dpserve.bench.prompts import load_tokenizer, make_prompts, word_token_pool
+from dpserve.bench.report import plot_title
+from dpserve.bench.serve import _levels, _num_requests, build_parser
 
 
 def test_percentile_matches_numpy_linear():
@@ -65,7 +68,7 @@ def test_compute_metrics_throughputs_and_latencies():
     assert m["mean_itl_ms"] == pytest.approx((10 * 100 + 10 * 50 + 10 * 150) / 30)
     assert m["mean_e2el_ms"] == pytest.approx(1700.0)
     assert m["errors"] == [{"error": "HTTP 500: boom", "count": 2}]
-    for name in bs.LATENCY_METRICS:
+    for name in LATENCY_METRICS:
         for stat in ("mean", "median", "p50", "p90", "p99"):
             assert f"{stat}_{name}_ms" in m
 
@@ -124,64 +127,64 @@ def test_stream_state_errors():
 
 
 def test_build_payload():
-    cfg = bs.ClientConfig(base_url="http://h:1/", endpoint="chat", model="m", output_len=64, api_key="k",
-                          extra_body={"n_predict": 64})
-    p = bs.build_payload(cfg, "hi")
+    cfg = ClientConfig(base_url="http://h:1/", endpoint="chat", model="m", output_len=64, api_key="k",
+                       extra_body={"n_predict": 64})
+    p = build_payload(cfg, "hi")
     assert p["messages"] == [{"role": "user", "content": "hi"}] and "prompt" not in p
     assert p["max_tokens"] == 64 and p["ignore_eos"] is True and p["stream"] is True
     assert p["stream_options"] == {"include_usage": True} and p["n_predict"] == 64
     assert cfg.url == "http://h:1/v1/chat/completions"
     assert cfg.headers()["Authorization"] == "Bearer k"
-    cfg2 = bs.ClientConfig(base_url="http://h:1", endpoint="completions", model="m", output_len=8, ignore_eos=False)
-    p2 = bs.build_payload(cfg2, "hi")
+    cfg2 = ClientConfig(base_url="http://h:1", endpoint="completions", model="m", output_len=8, ignore_eos=False)
+    p2 = build_payload(cfg2, "hi")
     assert p2["prompt"] == "hi" and "ignore_eos" not in p2 and cfg2.url == "http://h:1/v1/completions"
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return bs.load_tokenizer(None)
+    return load_tokenizer(None)
 
 
 def test_prompts_have_exact_token_length(tokenizer):
-    pool = bs.word_token_pool(tokenizer)
+    pool = word_token_pool(tokenizer)
     for n_tokens in (1, 7, 128):
-        prompts = bs.make_prompts(tokenizer, 5, n_tokens, seed=3, pool=pool)
+        prompts = make_prompts(tokenizer, 5, n_tokens, seed=3, pool=pool)
         assert len(set(prompts)) == 5
         for p in prompts:
             assert len(tokenizer.encode(p, add_special_tokens=False).ids) == n_tokens
-    same = bs.make_prompts(tokenizer, 4, 32, seed=3, identical=True, pool=pool)
+    same = make_prompts(tokenizer, 4, 32, seed=3, identical=True, pool=pool)
     assert len(set(same)) == 1
-    shared = bs.make_prompts(tokenizer, 4, 32, seed=3, shared_prefix_len=16, pool=pool, prefix_seed=9)
+    shared = make_prompts(tokenizer, 4, 32, seed=3, shared_prefix_len=16, pool=pool, prefix_seed=9)
     heads = {tuple(tokenizer.encode(p, add_special_tokens=False).ids[:16]) for p in shared}
     tails = {tuple(tokenizer.encode(p, add_special_tokens=False).ids[16:]) for p in shared}
     assert len(heads) == 1 and len(tails) == 4
-    other = bs.make_prompts(tokenizer, 2, 32, seed=4, shared_prefix_len=16, pool=pool, prefix_seed=9)
+    other = make_prompts(tokenizer, 2, 32, seed=4, shared_prefix_len=16, pool=pool, prefix_seed=9)
     assert tokenizer.encode(other[0]).ids[:16] == tokenizer.encode(shared[0]).ids[:16]
-    assert bs.make_prompts(tokenizer, 2, 32, seed=3, pool=pool) == bs.make_prompts(tokenizer, 2, 32, seed=3, pool=pool)
+    assert make_prompts(tokenizer, 2, 32, seed=3, pool=pool) == make_prompts(tokenizer, 2, 32, seed=3, pool=pool)
 
 
 def test_tokenizer_from_json_file(tmp_path, tokenizer):
     path = tmp_path / "tokenizer.json"
     path.write_text(tokenizer.to_str())
-    assert bs.load_tokenizer(str(path)).encode("hello world").ids == tokenizer.encode("hello world").ids
-    assert bs.load_tokenizer(str(tmp_path)).get_vocab_size() == tokenizer.get_vocab_size()
+    assert load_tokenizer(str(path)).encode("hello world").ids == tokenizer.encode("hello world").ids
+    assert load_tokenizer(str(tmp_path)).get_vocab_size() == tokenizer.get_vocab_size()
 
 
 def test_cli_levels_and_defaults():
-    args = bs.build_parser().parse_args(["--concurrency", "1,4,16"])
-    assert bs._levels(args) == [(1, None), (4, None), (16, None)]
-    assert [bs._num_requests(args, c, r) for c, r in bs._levels(args)] == [10, 20, 80]
-    args = bs.build_parser().parse_args(["--request-rate", "2.5", "--max-concurrency", "8", "--num-requests", "7"])
-    assert bs._levels(args) == [(8, 2.5)] and bs._num_requests(args, 8, 2.5) == 7
+    args = build_parser().parse_args(["--concurrency", "1,4,16"])
+    assert _levels(args) == [(1, None), (4, None), (16, None)]
+    assert [_num_requests(args, c, r) for c, r in _levels(args)] == [10, 20, 80]
+    args = build_parser().parse_args(["--request-rate", "2.5", "--max-concurrency", "8", "--num-requests", "7"])
+    assert _levels(args) == [(8, 2.5)] and _num_requests(args, 8, 2.5) == 7
     with pytest.raises(SystemExit):
-        bs.build_parser().parse_args(["--concurrency", "0"])
+        build_parser().parse_args(["--concurrency", "0"])
 
 
 def test_plot_title_says_what_was_measured():
     report = {"label": None, "model": "m", "base_url": "http://h:1", "endpoint": "chat",
               "config": {"input_len": 128, "output_len": 64, "identical_prompts": False, "shared_prefix_len": 0},
               "server": {"data_parallel_size": 2}}  # fmt: skip
-    assert bs.plot_title(report) == "m @ http://h:1 | /v1/chat | 128 in / 64 out tokens | DP=2"
+    assert plot_title(report) == "m @ http://h:1 | /v1/chat | 128 in / 64 out tokens | DP=2"
     report.update(label="run 7", server={"data_parallel_size": None})
     report["config"]["identical_prompts"] = True
-    assert bs.plot_title(report) == "run 7 | /v1/chat | 128 in / 64 out tokens | identical prompts"
+    assert plot_title(report) == "run 7 | /v1/chat | 128 in / 64 out tokens | identical prompts"
