@@ -279,11 +279,12 @@ class CompiledDecode:
                 if direct is None or direct.output_code is None:
                     raise precompiled.Unusable(f"the {graph.name} graph has no direct call")
                 code = direct.output_code
-                if getattr(code, "constants", None) or getattr(code, "frozen_param_names", None):
-                    raise precompiled.Unusable(f"the {graph.name} graph carries constants of its own")
+                if getattr(code, "frozen_param_names", None) or getattr(code, "torchbind_constants", None):
+                    raise precompiled.Unusable(f"the {graph.name} graph carries frozen parameters or torchbind objects")
+                constants = precompiled.constants_to_json(getattr(code, "constants", None) or {})
                 entries = precompiled.describe(direct._template, direct._tensor_slots, direct._row_slots,
                                                direct._block_slots, names)  # fmt: skip
-                graphs[graph.name] = (code.source_code, entries)
+                graphs[graph.name] = (code.source_code, entries, constants)
                 probes[graph.name] = self._probe(direct, prepare)
             saved.save(graphs, probes)
             logger.info("decode step saved in %s: later starts load it without tracing", saved.dir)

@@ -8,7 +8,8 @@ run eagerly, ~4 x slower at batch 1. What the steps actually call is small: the 
 `DirectCall` recorded. Both are saved once, after a traced warm-up, and a later start loads them in a second or two.
 
 What is saved, under `<cache_dir>/decode/<key>/`: each graph's output code (`<graph>.py`) and `manifest.json`
-with each graph's flat input list as names (`stack.3`, `kv.12.v`, `model.norm.weight`, an int, a field of the
+with each graph's constants (small tensors the code reads as module attributes, e.g. lifted scalars), its flat
+input list as names (`stack.3`, `kv.12.v`, `model.norm.weight`, an int, a field of the
 step's inputs, the row or block count) and a probe: a digest of the graph's output for a fixed scratch-only input.
 
 When it is used: the key covers everything the generated code depends on (torch and Python versions, the
@@ -37,7 +38,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the output code's constants in the manifest
 _SOURCES = ("model.py", "quantized.py", "compiled.py", "precompiled.py")  # what the traced step runs
 PROBE_SHAPE = (4, 7)  # rows, blocks of the probe's scratch-only input (what DirectCall.capture checks with)
 
@@ -119,6 +120,31 @@ def rebuild(entries: list, tensors: dict[str, Tensor]):
     return template, tensor_slots, row_slots, block_slots
 
 
+_MAX_CONSTANT_ELEMENTS = 1 << 16  # inductor's constants here are scalars (120 int64 on the AVX-512 path)
+
+
+def constants_to_json(constants: dict[str, Tensor]) -> dict[str, dict]:
+    """The output code's own constants (module attributes it reads, e.g. scalar tensors it lifted), as JSON."""
+    if sum(t.numel() for t in constants.values()) > _MAX_CONSTANT_ELEMENTS:
+        raise Unusable(f"the graph's constants hold over {_MAX_CONSTANT_ELEMENTS} elements")
+    out = {}
+    for name, t in constants.items():
+        if not isinstance(t, Tensor) or t.device.type != "cpu" or t.is_quantized:
+            raise Unusable(f"constant {name} is not a plain CPU tensor")
+        out[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "values": t.tolist()}
+    return out
+
+
+def constants_from_json(constants: dict[str, dict]) -> dict[str, Tensor]:
+    out = {}
+    for name, c in constants.items():
+        dtype = getattr(torch, c["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise Unusable(f"constant {name}: unknown dtype {c['dtype']!r}")
+        out[name] = torch.tensor(c["values"], dtype=dtype).reshape(c["shape"])
+    return out
+
+
 def digest(out: Tensor) -> str:
     return hashlib.sha256(out.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -132,16 +158,17 @@ class SavedStep:
     def exists(self) -> bool:
         return (self.dir / "manifest.json").is_file()
 
-    def save(self, graphs: dict[str, tuple[str, list]], probes: dict[str, str]) -> None:
-        """graphs: name -> (output code source, described inputs); probes: name -> digest. Written to a temporary
-        directory and renamed, so a reader sees all of it or none."""
+    def save(self, graphs: dict[str, tuple[str, list, dict]], probes: dict[str, str]) -> None:
+        """graphs: name -> (output code source, described inputs, its constants as JSON); probes: name -> digest.
+        Written to a temporary directory and renamed, so a reader sees all of it or none."""
         self.dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".saving-", dir=self.dir.parent))
         try:
             manifest = {"format": FORMAT, "torch": torch.__version__, "graphs": {}}
-            for name, (source, entries) in graphs.items():
+            for name, (source, entries, constants) in graphs.items():
                 (tmp / f"{name}.py").write_text(source)
-                manifest["graphs"][name] = {"source": f"{name}.py", "inputs": entries, "probe": probes[name]}
+                manifest["graphs"][name] = {"source": f"{name}.py", "inputs": entries, "probe": probes[name],
+                                            "constants": constants}  # fmt: skip
             (tmp / "manifest.json").write_text(json.dumps(manifest))
             try:
                 os.rename(tmp, self.dir)
@@ -164,5 +191,7 @@ class SavedStep:
         for name, g in manifest["graphs"].items():
             source = (self.dir / g["source"]).read_text()
             module = PyCodeCache.load(source)
+            for attr, value in constants_from_json(g.get("constants", {})).items():
+                setattr(module, attr, value)  # as inductor attaches them when it loads the code itself
             loaded[name] = (module.call, rebuild(g["inputs"], tensors), g["probe"])
         return loaded
