@@ -34,3 +34,6 @@ def test_the_readmes_first_request_answers_as_written(serve_factory):
     content = answer["choices"][0]["message"]["content"]
     assert "Paris" in content, content
     assert answer["usage"]["completion_tokens"] <= body["max_tokens"]
+    log = server.log()
+    for rank in (0, 1):  # Ray's log folding once hid every line of rank 1 (they differ only in numbers)
+        assert f"engine[{rank}] INFO registered as rank {rank}" in log, log[-3000:]

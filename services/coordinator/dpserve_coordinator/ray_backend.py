@@ -21,9 +21,13 @@ import sys
 import tempfile
 import time
 
-import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+# Ray folds log lines that differ only in their numbers into one, so "engine[1] ..." vanished behind "engine[0]
+# ..." (without even a "repeated" note when no later line came): every rank's lines are wanted. Read on import.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import ray  # noqa: E402 - after the setting above
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 from dpserve_coordinator.launcher import EngineLauncher, LaunchError, engine_command
 from dpserve_coordinator.placement import (
