@@ -414,6 +414,19 @@ class LlamaServer(Server):
         self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"llama-server-{self.port}.log")
         self.proc = None
 
+    def start(self, timeout_s: float = 900.0) -> Server:
+        """As Server.start; if it dies of SIGSEGV at start-up, once more with --no-repack: ggml's AMX matmul (an
+        "extra buffer type", chosen where the CPU flags show AMX) crashes on some VMs whose kernel does not grant
+        the AMX tile state; --no-repack keeps it on its AVX-512 kernels. The command it ran is in the report."""
+        try:
+            return super().start(timeout_s)
+        except RuntimeError as e:
+            if self.proc is None or self.proc.returncode != -signal.SIGSEGV or "--no-repack" in self.cmd:
+                raise
+            log(f"llama-server crashed at start-up ({e.args[0].splitlines()[0]}); once more with --no-repack")
+            self.cmd.append("--no-repack")
+            return super().start(timeout_s)
+
 
 def bundled_gguf() -> str:
     import importlib.util
@@ -482,7 +495,7 @@ def llama_cpp(opts, results: dict) -> None:
             for name, _, key in scenarios
         }
         results["llama_cpp"]["setup"] = (
-            f"llama-server -t 2 --parallel 32 {opts.llama_args}; dpserve DP=2 {opts.backend}, {opts.dpserve_threads or 'adaptive'} "
+            f"llama-server -t 2 --parallel 32 {shlex.join(llama.cmd[llama.cmd.index('--port') + 2:])}; dpserve DP=2 {opts.backend}, {opts.dpserve_threads or 'adaptive'} "
             f"thread(s) per rank {opts.dpserve_args}; 128 prompt / 64 output tokens, ignore_eos, completions, streaming"
         )
     finally:

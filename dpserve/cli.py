@@ -25,8 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
         "scale", help="add or remove engine ranks of a running deployment (waits until the step is done)"
     )
     add_scale_flags(scale_parser)
-    bench = commands.add_parser("bench", help="benchmarks: `bench serve` (any OpenAI URL), `bench engine` (EngineCore)")
-    bench.add_argument("kind", choices=["serve", "engine"], help="serve: HTTP load test; engine: engine efficiency")
+    bench = commands.add_parser("bench", help="benchmarks: `bench serve` (any OpenAI URL), `bench engine` "
+                                "(EngineCore), `bench chaos` (rank faults under load)")
+    bench.add_argument("kind", choices=["serve", "engine", "chaos"],
+                       help="serve: HTTP load test; engine: engine efficiency; chaos: ranks killed under load")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags (see its --help)")
     return parser
 
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             from dpserve.bench.serve import main as bench_serve_main
 
             return bench_serve_main(args.bench_args) or 0
+        if args.kind == "chaos":
+            from dpserve.bench.chaos import main as bench_chaos_main
+
+            return bench_chaos_main(args.bench_args)
         from dpserve_engine import bench as engine_bench  # imports torch: only for this command
 
         return engine_bench.main(args.bench_args) or 0

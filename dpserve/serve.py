@@ -33,7 +33,7 @@ import urllib.error
 import urllib.request
 
 from dpserve_coordinator import settings as coordinator_settings
-from dpserve_frontend.settings import read_chat_template
+from dpserve_frontend.settings import FrontendSettings, add_migration_flag, read_chat_template
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
 
@@ -65,6 +65,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
+    add_migration_flag(parser)
     add_engine_flags(parser)
 
 
@@ -117,6 +118,7 @@ def coordinator_argv(args: argparse.Namespace, ready_file: str | None = None, de
         "--data-parallel-rpc-port", str(args.data_parallel_rpc_port),
         "--data-parallel-backend", args.data_parallel_backend,
         "--engine-startup-timeout-s", str(args.engine_startup_timeout_s),
+        "--engine-stall-timeout-s", str(args.engine_stall_timeout_s),
         *(["--ready-file", ready_file] if ready_file else []),
         *(["--deployment-id", deployment_id] if deployment_id else []),
     ]  # fmt: skip
@@ -151,6 +153,8 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         cmd += ["--api-key", args.api_key]
     if args.strict_request_fields:
         cmd += ["--strict-request-fields"]
+    if args.migration_limit != FrontendSettings.migration_limit:
+        cmd += ["--migration-limit", str(args.migration_limit)]
     if args.chat_template:
         cmd += ["--chat-template", args.chat_template]
     if ready_file:

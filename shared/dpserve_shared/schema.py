@@ -20,7 +20,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: WaveComplete, ReleaseRequests and EngineRequest.prefix_block_hashes removed
+PROTOCOL_VERSION = 3  # 2: WaveComplete, ReleaseRequests, prefix_block_hashes removed; 3: EngineRequest.num_generated
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag=True, kw_only=False):
@@ -120,10 +120,10 @@ class EngineInfo(_Part):
     node_ip: str = ""
     pid: int = 0
     kv_blocks_total: int = 0
+    dead_reason: str = ""  # DEAD: why (the exit code, the signal, "did not register")
+    restarts: int = 0  # replacements started for this rank so far
+    failed: bool = False  # in a crash loop: it died soon after each of its last starts (retried on a back-off)
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# To engines
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -134,6 +134,9 @@ class EngineRequest(_Msg, tag="add"):
     arrival_time: float = 0.0  # time.time() at the frontend
     frontend_id: str = ""
     wave: int = 0  # the wave the frontend believed current
+    # A migrated request's continuation: the last `num_generated` prompt tokens are output tokens an earlier rank
+    # produced; the sampling settings are the remaining ones, and seeded draws continue at this output position.
+    num_generated: int = 0
 
 
 class AbortRequests(_Msg, tag="abort"):

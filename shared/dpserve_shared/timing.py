@@ -5,6 +5,11 @@ the engine and the coordinator all read them from here (their flags and settings
 """
 
 HEARTBEAT_INTERVAL_S = 1.0  # frontends and engines -> coordinator, whatever else they are doing
+# coordinator: an engine with requests whose step counter has not moved this long is stuck (killed, replaced). The
+# longest legal step is one prefill chunk of --max-num-batched-tokens (512 by default) at the longest context:
+# about a second on a 2-core AVX2 machine (~0.28 s per 128 tokens), more beside a cold start's compile; 60 s
+# leaves a wide margin (a model 10 x larger with 4 x the chunk still fits). Otherwise: --engine-stall-timeout-s.
+ENGINE_STALL_S = 60.0
 ENGINE_SILENCE_S = 10.0  # coordinator: an engine without a heartbeat this long is DEAD (READY again if it returns)
 FRONTEND_SILENCE_S = 5.0  # coordinator: a frontend without a heartbeat this long is gone (FrontendGone broadcast)
 TOPOLOGY_REPUBLISH_S = 2.0  # coordinator: the Topology is broadcast at least this often, changed or not

@@ -219,6 +219,13 @@ def test_vanished_rank_resends_requests_without_tokens(model_info):
                 response = await client.get("/health")
                 body = orjson.loads(await response.read())
                 assert response.status == 200 and body["status"] == "degraded"
+                assert [(r["rank"], r["state"], r["serving"]) for r in body["ranks"]] == [(0, "dead", False),
+                                                                                        (1, "ready", True)]
+                assert (await client.get("/health?rank=1")).status == 200
+                response = await client.get("/health?rank=0")
+                assert response.status == 503 and orjson.loads(await response.read())["state"] == "dead"
+                assert (await client.get("/health?rank=7")).status == 404
+                assert (await client.get("/health?rank=x")).status == 400
 
         run(scenario())
     finally:
@@ -281,6 +288,48 @@ def test_error_after_stream_started_is_an_error_event_then_done(model_info):
         run(scenario())
     finally:
         slow.close()
+
+
+@pytest.mark.parametrize("limit", [3, 0])
+def test_a_stream_whose_rank_dies_goes_on_on_another_rank(model_info, limit):
+    """Rank 0 stops at once in the middle of a stream: the frontend sends the request's continuation to rank 1 and
+    the client's stream goes on, its text and usage those of the same request without a fault. With
+    --migration-limit 0 the stream ends with an error event instead."""
+    a, b = NullEngine(0, model_info, step_time_s=0.02), NullEngine(1, model_info, step_time_s=0.02)
+    body = {"prompt": "go on", "max_tokens": 40, "stream": True, "stream_options": {"include_usage": True}}
+
+    def events_of(raw: str) -> list[dict]:
+        assert raw.endswith("data: [DONE]\n\n")
+        return [orjson.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+
+    try:
+        async def scenario():
+            async with frontend_client(model_info, [a, b], migration_limit=limit) as client:
+                state = client.server.app[STATE_KEY]
+                baseline = await post(client, "/v1/completions", body, {"X-data-parallel-rank": "1"})
+                expected = events_of((await baseline.read()).decode())
+                response = await post(client, "/v1/completions", body, {"X-data-parallel-rank": "0"})
+                assert response.status == 200
+                first = await response.content.readline()  # the first token's event: the stream has started
+                await asyncio.sleep(0.2)  # and goes on for a few more steps
+                a.stop()
+                state.apply_topology(topology([a.info(EngineState.DEAD), b], epoch=2))
+                return expected, events_of((first + await response.read()).decode())
+
+        expected, got = run(scenario())
+    finally:
+        a.close()
+        b.close()
+    moved = [r for r in b.requests() if r.num_generated > 0]
+    if limit == 0:
+        assert set(got[-1]) == {"error"} and not moved  # the engine's abort, or "went away"
+        return
+    text = lambda events: "".join(e["choices"][0]["text"] for e in events if e.get("choices"))  # noqa: E731
+    assert "error" not in got[-1]
+    assert text(got) == text(expected)
+    assert got[-1]["usage"] == expected[-1]["usage"] and got[-1]["usage"]["completion_tokens"] == 40
+    assert len(moved) == 1 and 0 < moved[0].num_generated < 40
+    assert moved[0].sampling.max_tokens == 40 - moved[0].num_generated
 
 
 def test_non_stream_client_disconnect_aborts_too(model_info):

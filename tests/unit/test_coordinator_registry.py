@@ -112,3 +112,20 @@ def test_load_snapshot_lists_ready_ranks_and_tracks_changes():
     assert [(l.rank, l.num_running) for l in snapshot.loads] == [(0, 0), (1, 3)]
     registry.mark_dead(0, "gone")
     assert [l.rank for l in registry.load_snapshot(0, False, 3.0).loads] == [1]
+
+
+def test_a_rank_with_work_whose_step_counter_stands_still_is_stuck_while_it_heartbeats():
+    """A step that never returns: the heartbeats still come (their thread lives), the step counter does not move.
+    Idle ranks and ranks whose steps go on are not stuck."""
+    registry = Registry(3, engine_timeout_s=10.0, stall_timeout_s=60.0)
+    for rank in range(3):
+        registry.register_engine(engine(rank), now_s=0.0)
+    for t in range(0, 100, 5):  # heartbeats every 5 s for 100 s
+        registry.update_load("engine-0", EngineLoad(0, num_running=2, step=7), now_s=t)  # stuck at step 7
+        registry.update_load("engine-1", EngineLoad(1, num_running=2, step=7 + t), now_s=t)  # stepping
+        registry.update_load("engine-2", EngineLoad(2, step=7), now_s=t)  # idle: no step, no work
+        _, dead = registry.expire(now_s=t + 1)
+        assert dead == ([0] if t + 1 > 60 and t - 5 + 1 <= 60 else []), t
+    states = {e.rank: (e.state, e.dead_reason) for e in registry.topology().engines}
+    assert states[0] == (EngineState.DEAD, "stuck: no engine step for 61 s with 2 requests")
+    assert states[1][0] == states[2][0] == EngineState.READY

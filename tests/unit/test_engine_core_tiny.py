@@ -120,6 +120,31 @@ def test_seeded_sampling_is_batch_independent(model):
     assert together["s"] == alone
 
 
+@pytest.mark.parametrize("params", [
+    greedy(14, min_tokens=9),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=14, min_tokens=9, ignore_eos=True),
+], ids=["greedy", "seeded"])  # fmt: skip
+def test_a_continuation_gives_the_tokens_of_the_uninterrupted_request(model, params):
+    """What a frontend sends for a request whose rank died after k tokens (engine_pool.continuation): the prompt
+    plus those k tokens, the rest of the budgets, seeded draws from output position k on. The rank it lands on
+    produces exactly the tokens the request would have produced without the move."""
+    from dpserve_frontend.engine_pool import continuation
+
+    whole = solo(model, "m", prompt(3), params)
+    assert len(whole) == 14
+    for k in (1, 6, 13):
+        first = EngineRequest("m", prompt(3), params)
+        moved = continuation(continuation(first, whole[: k // 2]), whole[k // 2 : k])  # moved twice
+        assert moved.num_generated == k and moved.sampling.max_tokens == 14 - k
+        assert moved.sampling.min_tokens == max(0, 9 - k)
+        core = engine(model)
+        core.add_request(moved)
+        rest = []
+        while core.has_unfinished():
+            rest += [t for out in core.step() for t in out.new_token_ids]
+        assert whole[:k] + rest == whole, k
+
+
 def test_logprobs_and_prompt_logprobs_shapes(model):
     ids = prompt(4, 9)
     outs = run(engine(model), [("l", ids, greedy(5, logprobs=3, prompt_logprobs=2))])["l"]

@@ -66,6 +66,10 @@ class EngineLauncher(abc.ABC):
     def kill_now(self) -> None:
         """Second signal: kill everything at once, synchronously."""
 
+    async def kill(self, rank: int) -> None:
+        """SIGKILL the rank's engine process (a silent or stuck rank); `wait_exit` then reports it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot kill single ranks")
+
     def describe(self, rank: int) -> str:
         return ""
 
@@ -115,6 +119,12 @@ class MpLauncher(EngineLauncher):
 
     async def close(self, timeout_s: float) -> None:
         await asyncio.gather(*(self.stop(rank, timeout_s) for rank in list(self._procs)))
+
+    async def kill(self, rank: int) -> None:
+        proc = self._procs.get(rank)
+        if proc is not None and proc.poll() is None:
+            log.warning("rank %d: SIGKILL to engine process %d", rank, proc.pid)
+            proc.kill()
 
     def kill_now(self) -> None:
         for proc in self._procs.values():

@@ -11,6 +11,7 @@ Engine processes notice a dead actor through their parent pid, so killing the ac
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import secrets
@@ -65,6 +66,15 @@ def _quiet_ray_logs() -> None:
         logging.getLogger(name).addFilter(_QuietRay())
 
 
+def _die_with_parent() -> None:
+    """In the engine process before exec: SIGKILL when its actor dies (ray.kill, a crashed worker), so that a
+    killed actor's rank is as dead as a killed process (its replacement can then take the rank)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def actor_name(rank: int) -> str:
     return f"dpserve-engine-{rank}"
 
@@ -87,7 +97,7 @@ class EngineHost:
         env.update(env_overrides)
         if "CUDA_VISIBLE_DEVICES" not in env_overrides:
             env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray sets "" for an actor without GPUs
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         return self.proc.pid
 
     async def wait(self) -> int:
@@ -96,6 +106,10 @@ class EngineHost:
         if self.proc is None:
             return -1
         return await asyncio.to_thread(self.proc.wait)
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL: also ends a stopped (SIGSTOP) process
 
     async def stop(self, timeout_s: float) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
@@ -360,6 +374,17 @@ class RayLauncher(EngineLauncher):
         elif ray.is_initialized():
             ray.shutdown()
         log.info("Ray actors and placement groups released")
+
+    async def kill(self, rank: int) -> None:
+        actor = self._actors.get(rank)
+        if actor is None:
+            return
+        log.warning("rank %d: SIGKILL to its engine process (through actor %s)", rank, actor_name(rank))
+        try:
+            await asyncio.wait_for(actor.kill.remote(), 5.0)
+        except Exception as e:  # noqa: BLE001 - the actor itself does not answer: kill it (its engine with it)
+            log.warning("rank %d: actor %s did not answer (%s): killing the actor", rank, actor_name(rank), e)
+            ray.kill(actor)
 
     def kill_now(self) -> None:
         self._closed = True

@@ -30,7 +30,7 @@ from dpserve_shared.schema import (
     RegisterFrontend,
     Topology,
 )
-from dpserve_shared.timing import ENGINE_SILENCE_S, FRONTEND_SILENCE_S
+from dpserve_shared.timing import ENGINE_SILENCE_S, ENGINE_STALL_S, FRONTEND_SILENCE_S
 
 
 class RegistrationRefused(Exception):
@@ -49,6 +49,9 @@ class EngineEntry:
     last_seen_s: float = 0.0
     load: EngineLoad | None = None
     dead_reason: str = ""
+    restarts: int = 0
+    failed: bool = False
+    step_changed_s: float = 0.0  # when its load's step counter last moved (or it registered)
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -59,6 +62,9 @@ class EngineEntry:
             node_ip=self.node_ip,
             pid=self.pid,
             kv_blocks_total=self.kv_blocks_total,
+            dead_reason=self.dead_reason if self.state == EngineState.DEAD else "",
+            restarts=self.restarts,
+            failed=self.failed,
         )
 
 
@@ -72,9 +78,10 @@ class FrontendEntry:
 
 class Registry:
     def __init__(self, data_parallel_size: int, engine_timeout_s: float = ENGINE_SILENCE_S,
-                 frontend_timeout_s: float = FRONTEND_SILENCE_S):
+                 frontend_timeout_s: float = FRONTEND_SILENCE_S, stall_timeout_s: float = ENGINE_STALL_S):
         self.data_parallel_size = data_parallel_size
         self.engine_timeout_s = engine_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.frontend_timeout_s = frontend_timeout_s
         self.engines: dict[int, EngineEntry] = {}
         self.frontends: dict[str, FrontendEntry] = {}
@@ -121,6 +128,10 @@ class Registry:
             pid=msg.pid,
             kv_blocks_total=msg.kv_blocks_total,
             last_seen_s=now_s,
+            step_changed_s=now_s,
+            # the rank's history (the supervisor's): a replacement keeps the count and the crash-loop mark
+            restarts=current.restarts if current is not None else 0,
+            failed=current.failed if current is not None else False,
         )
         if self.model is None:
             self.model = msg.model
@@ -142,9 +153,14 @@ class Registry:
         return None
 
     def mark_dead(self, rank: int, reason: str) -> bool:
-        """Mark a rank DEAD; False if it already was (or is unknown)."""
+        """Mark a rank DEAD; False if it already was (its reason is then the newest) or is unknown."""
         entry = self.engines.get(rank)
-        if entry is None or entry.state == EngineState.DEAD:
+        if entry is None:
+            return False
+        if entry.state == EngineState.DEAD:
+            if entry.dead_reason != reason:  # e.g. a replacement that died before it registered
+                entry.dead_reason = reason
+                self.epoch += 1
             return False
         entry.state = EngineState.DEAD
         entry.dead_reason = reason
@@ -153,12 +169,21 @@ class Registry:
         self.load_version += 1
         return True
 
+    def set_restarts(self, rank: int, restarts: int, failed: bool) -> None:
+        """The supervisor's count of the rank's replacements and whether it is in a crash loop (for the topology)."""
+        entry = self.engines.get(rank)
+        if entry is not None and (entry.restarts, entry.failed) != (restarts, failed):
+            entry.restarts, entry.failed = restarts, failed
+            self.epoch += 1
+
     def update_load(self, engine_id: str, load: EngineLoad, now_s: float) -> None:
         entry = self.engine_by_id(engine_id)
         if entry is None:
             return
         self._seen_engine(entry, now_s)
         load.rank = entry.rank
+        if entry.load is None or entry.load.step != load.step:
+            entry.step_changed_s = now_s
         if entry.load != load:
             entry.load = load
             self.load_version += 1
@@ -237,7 +262,9 @@ class Registry:
         return False
 
     def expire(self, now_s: float) -> tuple[list[str], list[int]]:
-        """Drop silent frontends and mark silent engines DEAD; return (gone frontend ids, newly dead ranks)."""
+        """Drop silent frontends; mark DEAD the engines that are silent (no heartbeat for engine_timeout_s) or
+        stuck (requests waiting or running, and a step counter that has not moved for stall_timeout_s, while the
+        heartbeats still come: a step that never returns); return (gone frontend ids, newly dead ranks)."""
         gone = [f.frontend_id for f in self.frontends.values() if now_s - f.last_seen_s > self.frontend_timeout_s]
         for frontend_id in gone:
             del self.frontends[frontend_id]
@@ -248,6 +275,13 @@ class Registry:
         ]
         for rank in dead:
             self.mark_dead(rank, "missed heartbeats")
+        for e in self.engines.values():
+            load = e.load
+            if (e.state in (EngineState.READY, EngineState.DRAINING) and load is not None
+                    and load.num_running + load.num_waiting > 0 and now_s - e.step_changed_s > self.stall_timeout_s):
+                self.mark_dead(e.rank, f"stuck: no engine step for {now_s - e.step_changed_s:.0f} s with "
+                                       f"{load.num_running + load.num_waiting} requests")  # fmt: skip
+                dead.append(e.rank)
         return gone, dead
 
     def topology(self) -> Topology:

@@ -81,6 +81,7 @@ class Coordinator:
             settings.data_parallel_size,
             engine_timeout_s=settings.engine_timeout_s,
             frontend_timeout_s=settings.frontend_timeout_s,
+            stall_timeout_s=settings.engine_stall_timeout_s,
         )
         self.supervisor = RankSupervisor(self.registry, settings, launcher)  # the backend's launcher when None
         self.scaler = Scaler(self.registry, self.supervisor, self.reply, settings.engine_startup_timeout_s)
@@ -335,7 +336,9 @@ class Coordinator:
                 log.warning("frontend %s silent for %.0f s: dropped", frontend_id, self.settings.frontend_timeout_s)
                 self._publish(FrontendGone(frontend_id))
             for rank in dead:
-                log.error("rank %d missed heartbeats for %.0f s: DEAD", rank, self.settings.engine_timeout_s)
+                log.error("rank %d: DEAD (%s)", rank, self.registry.engines[rank].dead_reason)
+                if self.supervisor.is_watching(rank):  # silent or stuck, its process still there: kill, replace
+                    self._tasks.append(asyncio.create_task(self.supervisor.kill(rank), name=f"kill-{rank}"))
             if self.registry.epoch != published_epoch or now - last_topology >= TOPOLOGY_REPUBLISH_S:
                 self._publish(self.registry.topology())
                 published_epoch = self.registry.epoch

@@ -11,7 +11,7 @@ import dataclasses
 
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env, new_deployment_id
-from dpserve_shared.timing import ENGINE_SILENCE_S, FRONTEND_SILENCE_S
+from dpserve_shared.timing import ENGINE_SILENCE_S, ENGINE_STALL_S, FRONTEND_SILENCE_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,8 @@ class CoordinatorSettings:
     engine_startup_timeout_s: float = 600.0
     engine_timeout_s: float = ENGINE_SILENCE_S  # an engine silent this long is DEAD
     frontend_timeout_s: float = FRONTEND_SILENCE_S  # a frontend silent this long is gone
-    max_engine_restarts: int = 3  # per rank
+    engine_stall_timeout_s: float = ENGINE_STALL_S  # a rank with work and no step this long is stuck
+    max_engine_restarts: int = 3  # quick deaths in a row before a rank is shown as FAILED (supervisor.py)
     engine_args: tuple[str, ...] = ()  # passed to every `dpserve-engine` command line
     ready_file: str | None = None  # written (with the topology as JSON) once every rank is READY
     # On every control and broadcast message (envelope.py); handed to the engines this coordinator starts.
@@ -61,6 +62,10 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-startup-timeout-s", type=float, default=600.0,
                         help="how long ranks may take to load, compile and register (a first start compiles for "
                              "minutes; default: %(default)s)")
+    parser.add_argument("--engine-stall-timeout-s", type=float, default=ENGINE_STALL_S,
+                        help="a rank with requests whose engine has not finished a step for this long is stuck: "
+                             "killed, its requests moved, and replaced (the longest legal step, a prefill chunk, "
+                             "takes seconds; default: %(default)s)")
 
 
 _DESCRIPTION = """`dpserve-coordinator`: places and starts the engine ranks, keeps the registry, publishes topology and load.
@@ -72,7 +77,10 @@ Engine flags (--model, --max-model-len, ...) are checked here and passed to ever
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser("dpserve-coordinator", description=_DESCRIPTION)
     add_deployment_flags(parser)
-    parser.add_argument("--max-engine-restarts", type=int, default=3)
+    parser.add_argument("--max-engine-restarts", type=int, default=3,
+                        help="a rank that dies this many times in a row, each within 30 s of its start, is shown as "
+                             "FAILED (a crash loop); it is still restarted, on a back-off of 1, 2, 4 ... up to 30 s "
+                             "(default: %(default)s)")
     parser.add_argument("--ready-file", default=None, help="written once every rank is ready (used by dpserve serve)")
     parser.add_argument(
         "--deployment-id", default=deployment_id_from_env(),
@@ -122,6 +130,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         ray_temp_dir=args.ray_temp_dir,
         ray_wait_for_nodes_s=args.ray_wait_for_nodes_s or 0.0,
         engine_startup_timeout_s=args.engine_startup_timeout_s,
+        engine_stall_timeout_s=args.engine_stall_timeout_s,
         max_engine_restarts=args.max_engine_restarts,
         engine_args=engine_argv(args),
         ready_file=args.ready_file,

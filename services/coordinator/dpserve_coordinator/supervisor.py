@@ -2,10 +2,14 @@
 
 One watcher task per rank waits for the launcher to report that the rank's process exited, then:
   - the deployment is stopping, or a scale-down is removing the rank: expected, nothing to do;
-  - otherwise the rank is marked DEAD in the registry (the next topology broadcast tells the frontends) and, if it
-    had registered once and has been restarted fewer than --max-engine-restarts times, a replacement is started
-    after RESTART_DELAY_S; it registers under the same rank like any engine. A rank that dies before it ever
-    registered is not restarted: `wait_ready` reports it to whoever is waiting for it (start-up or a scale-up).
+  - otherwise the rank is marked DEAD in the registry (the next topology broadcast tells the frontends, which
+    move its requests to live ranks) and a replacement is started; it registers under the same rank like any
+    engine. There is no lifetime cap: the delay before a replacement doubles with each death in a row that came
+    within STABLE_S of the rank's start (1, 2, 4 ... MAX_RESTART_DELAY_S), and after --max-engine-restarts such
+    deaths the rank is shown as FAILED (a crash loop, in the topology: /health, /metrics, the log) while it is
+    still retried; a rank that lives STABLE_S is healthy again. A replacement that cannot be launched is retried
+    the same way. Only a rank that dies before it ever registered is not restarted: `wait_ready` reports it to
+    whoever is waiting for it (start-up or a scale-up).
 
 `wait_ready` is the one "wait until these ranks are READY by a deadline, name the missing ones", used by the
 coordinator's start-up and by a scale-up.
@@ -27,7 +31,9 @@ from dpserve_coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger("dpserve.coordinator")
 
-RESTART_DELAY_S = 1.0
+RESTART_DELAY_S = 1.0  # before the first replacement; doubled for each quick death in a row
+MAX_RESTART_DELAY_S = 30.0
+STABLE_S = 30.0  # a rank that lives this long after its start was not in a crash loop
 _POLL_S = 0.1
 
 
@@ -95,6 +101,14 @@ class RankSupervisor:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         self._num_restarts.pop(rank, None)
+
+    async def kill(self, rank: int) -> None:
+        """SIGKILL the rank's engine process (silent or stuck: it cannot be asked); its watcher then sees it exit
+        and replaces it."""
+        try:
+            await self._launcher.kill(rank)
+        except Exception as e:  # noqa: BLE001 - the watcher still sees whatever happens to the process
+            log.error("rank %d: could not kill its engine process: %s", rank, e)
 
     def is_watching(self, rank: int) -> bool:
         return rank in self._watchers
@@ -173,9 +187,12 @@ class RankSupervisor:
     # -- the watcher --------------------------------------------------------------------------------------------
 
     async def _watch(self, rank: int) -> None:
-        """Mark the rank DEAD when its process exits; start a replacement unless it is not to be restarted."""
+        """Mark the rank DEAD when its process exits and start a replacement (on the back-off), for as long as the
+        rank belongs to the deployment."""
+        quick_deaths = 0  # in a row, each within STABLE_S of the rank's start
         while True:
-            reason = await self._launcher.wait_exit(rank)
+            started = time.monotonic()
+            reason, quick_deaths = await self._wait_exit(rank, quick_deaths)
             if self._is_stopping:
                 return
             if rank in self._registry.retiring:  # removed by a scale-down: expected, and not to be restarted
@@ -183,21 +200,50 @@ class RankSupervisor:
                 return
             log.error("rank %d: %s", rank, reason)
             self._registry.mark_dead(rank, reason)
-            self._num_restarts[rank] = self._num_restarts.get(rank, 0) + 1
-            if self._num_restarts[rank] > self._settings.max_engine_restarts:
-                log.error("rank %d: not restarting (restarted %d times already)", rank, self._num_restarts[rank] - 1)
-                return
             if not self._has_registered(rank):
                 return  # failed before it ever came up: wait_ready reports it
-            log.info("rank %d: starting a replacement (restart %d)", rank, self._num_restarts[rank])
-            await asyncio.sleep(RESTART_DELAY_S)
-            if self._is_stopping or rank in self._registry.retiring:
-                return
+            quick_deaths = quick_deaths + 1 if time.monotonic() - started < STABLE_S else 1
+            while True:
+                delay = self._note_death(rank, quick_deaths, reason)
+                await asyncio.sleep(delay)
+                if self._is_stopping or rank in self._registry.retiring:
+                    return
+                try:
+                    await self._launcher.start(rank)
+                    break
+                except Exception as e:  # noqa: BLE001 - LaunchError, or Ray's own errors
+                    reason = f"replacement failed: {e}"
+                    log.error("rank %d: %s", rank, reason)
+                    quick_deaths += 1
+
+    async def _wait_exit(self, rank: int, quick_deaths: int) -> tuple[str, int]:
+        """The launcher's exit reason for the rank; once it has lived STABLE_S, it is healthy (quick deaths 0)."""
+        exited = asyncio.ensure_future(self._launcher.wait_exit(rank))
+        try:
             try:
-                await self._launcher.start(rank)
-            except Exception as e:  # noqa: BLE001 - LaunchError, or Ray's own errors
-                log.error("rank %d: replacement failed: %s", rank, e)
-                return
+                return await asyncio.wait_for(asyncio.shield(exited), STABLE_S), quick_deaths
+            except asyncio.TimeoutError:
+                pass
+            entry = self._registry.engines.get(rank)
+            if entry is not None and entry.failed:
+                log.info("rank %d: serving for %.0f s: no longer failed", rank, STABLE_S)
+                self._registry.set_restarts(rank, self._num_restarts.get(rank, 0), failed=False)
+            return await exited, 0
+        finally:
+            exited.cancel()
+
+    def _note_death(self, rank: int, quick_deaths: int, reason: str) -> float:
+        """Count the restart, mark a crash loop FAILED, log; returns the delay before the replacement."""
+        restarts = self._num_restarts[rank] = self._num_restarts.get(rank, 0) + 1
+        failed = quick_deaths > self._settings.max_engine_restarts
+        self._registry.set_restarts(rank, restarts, failed)
+        delay = min(MAX_RESTART_DELAY_S, RESTART_DELAY_S * 2 ** (quick_deaths - 1))
+        if failed:
+            log.error("rank %d: FAILED (a crash loop: %d deaths in a row within %.0f s of a start; last: %s); "
+                      "retrying in %.0f s (restart %d)", rank, quick_deaths, STABLE_S, reason, delay, restarts)  # fmt: skip
+        else:
+            log.info("rank %d: starting a replacement in %.0f s (restart %d)", rank, delay, restarts)
+        return delay
 
     def _has_registered(self, rank: int) -> bool:
         entry = self._registry.engines.get(rank)

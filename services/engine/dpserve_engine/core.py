@@ -76,7 +76,8 @@ class EngineCore(EngineCoreBase):
 
     def add_request(self, request: EngineRequest) -> None:
         self._validate(request)
-        seq = Sequence(request.request_id, request.prompt_token_ids, request.sampling, self.num_arrivals)
+        seq = Sequence(request.request_id, request.prompt_token_ids, request.sampling, self.num_arrivals,
+                       request.num_generated)  # fmt: skip
         seq.arrival_s = time.monotonic()
         self.num_arrivals += 1
         self.requests[request.request_id] = seq

@@ -79,7 +79,8 @@ class NullEngineCore(EngineCoreBase):
         outputs = []
         finished = []
         for request_id, entry in self._running.items():
-            token_id = self._token_ids[entry.num_generated % len(self._token_ids)]
+            # by output position: a continuation (request.num_generated > 0) goes on with the tokens it would have had
+            token_id = self._token_ids[(entry.request.num_generated + entry.num_generated) % len(self._token_ids)]
             entry.num_generated += 1
             output = RequestOutput(request_id, [token_id])
             if entry.is_first:

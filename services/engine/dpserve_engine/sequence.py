@@ -22,7 +22,8 @@ class Sequence:
     blocks and its computed count and recomputes prompt + generated tokens later, so nothing is lost.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_index: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_index: int,
+                 num_generated: int = 0):  # fmt: skip
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -45,6 +46,8 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+            for _ in range(num_generated):  # a continuation (migrated request): the draws its earlier tokens took
+                torch.rand(1, generator=self.generator)
 
     def __len__(self) -> int:
         return len(self.token_ids)

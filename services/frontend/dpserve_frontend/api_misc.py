@@ -6,7 +6,7 @@ from importlib import metadata
 
 from aiohttp import web
 
-from dpserve_frontend.errors import BadRequest
+from dpserve_frontend.errors import BadRequest, NotFound
 from dpserve_frontend.metrics import CONTENT_TYPE
 from dpserve_frontend.parsing import read_request
 from dpserve_frontend.protocol import DetokenizeRequest, TokenizeRequest, check_token_id, message_dicts
@@ -39,10 +39,25 @@ async def list_models(request: web.Request, state: FrontendState) -> web.Respons
 
 
 async def health(request: web.Request, state: FrontendState) -> web.Response:
-    """200 while at least one rank serves ("degraded" if some expected rank does not), 503 otherwise."""
+    """200 while at least one rank serves ("degraded" if some expected rank does not), 503 otherwise; the body
+    lists every rank's state ("ready", "starting", "draining", "dead" or "failed": a crash loop), its restarts and
+    why it is down. `?rank=N`: that rank alone, 200 when it serves, else 503 (404 for a rank not in the
+    deployment)."""
     status, serving, expected = state.health()
+    ranks = state.rank_health()
+    if "rank" in request.query:
+        try:
+            rank = int(request.query["rank"])
+        except ValueError:
+            raise BadRequest(f"rank must be an integer, got {request.query['rank']!r}", param="rank") from None
+        entry = next((r for r in ranks if r["rank"] == rank), None)
+        if entry is None:
+            raise NotFound(f"rank {rank} is not in this deployment (ranks: {[r['rank'] for r in ranks]})",
+                           param="rank")  # fmt: skip
+        return json_response(entry, 200 if rank in serving and not state.is_draining else 503)
     code = 503 if status == "unavailable" else 200
-    return json_response({"status": status, "serving_ranks": serving, "data_parallel_size": expected}, code)
+    body = {"status": status, "serving_ranks": serving, "data_parallel_size": expected, "ranks": ranks}
+    return json_response(body, code)
 
 
 async def ping(request: web.Request, state: FrontendState) -> web.Response:

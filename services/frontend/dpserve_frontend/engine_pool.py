@@ -10,9 +10,13 @@ that owns it. The pool follows the coordinator's `Topology`:
 - a READY rank that is new (or moved to a new address) is connected and becomes routable;
 - a DRAINING rank stays connected, so its requests finish, but gets no new ones;
 - a rank that disappears or is DEAD is dropped: outputs already queued on its socket are handed out first (a
-  rank removed by a scale-down finished its requests before it left), then its requests that have produced no
-  token yet are re-sent to another serving rank (an engine leaves requests that reach it while it shuts down
-  unanswered); the others end with an ERROR output (their text cannot be replayed).
+  rank removed by a scale-down finished its requests before it left), then its requests move to another serving
+  rank (migration): one that has produced no token yet is re-sent as it was (an engine leaves requests that reach
+  it while it shuts down unanswered); one whose stream has started is sent as its continuation (the prompt plus
+  every token generated so far, the remaining max_tokens and min_tokens, seeded draws going on at the next output
+  position: `continuation`), and its stream goes on where it stopped. A request moves at most `migration_limit`
+  times (a request that has no token yet, at least once); after that, or with no rank serving, it ends with an
+  ERROR output.
 
 The router's loads follow the coordinator's `LoadSnapshot` (`apply_snapshot`), as does the pool's view of the
 wave (stamped on every request; a request while the engines look paused asks the coordinator to start a wave).
@@ -56,11 +60,26 @@ _MAX_DRAIN = 512  # messages taken per wake-up of a receive task before it yield
 
 @dataclasses.dataclass
 class _InFlight:
-    request: EngineRequest
+    request: EngineRequest  # as first submitted (a continuation is built from it and `token_ids`)
     queue: OutputQueue
     seq_index: int
     rank: int
-    num_tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # every output token so far, on any rank
+    migrations: int = 0
+
+
+def continuation(request: EngineRequest, token_ids: list[int]) -> EngineRequest:
+    """What a live rank is sent for `request` once it has produced `token_ids` on a rank that died: those tokens
+    become prompt, the budgets shrink by their count, and the prompt's logprobs (already delivered) are not asked
+    again; a seeded request's draws continue at output position len(token_ids) (EngineRequest.num_generated)."""
+    sampling = request.sampling
+    done = len(token_ids)
+    sampling = msgspec.structs.replace(
+        sampling, max_tokens=sampling.max_tokens - done, min_tokens=max(0, sampling.min_tokens - done),
+        prompt_logprobs=None,
+    )  # fmt: skip
+    return msgspec.structs.replace(request, prompt_token_ids=request.prompt_token_ids + token_ids, sampling=sampling,
+                                   num_generated=request.num_generated + done)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -81,6 +100,7 @@ class EnginePool:
         on_engine_load: Callable[[EngineLoad], None] | None = None,
         on_start_wave: Callable[[StartWaveRequest], None] | None = None,
         on_resend: Callable[[], None] | None = None,
+        migration_limit: int = 3,
     ):
         self.frontend_id = frontend_id
         self._router = Router()
@@ -93,6 +113,7 @@ class EnginePool:
         self._on_engine_load = on_engine_load
         self.on_start_wave = on_start_wave
         self._on_resend = on_resend
+        self.migration_limit = migration_limit
         # The wave the coordinator last published, and whether the engines looked paused (dpserve_shared.waves).
         self.waves = FrontendWaves()
 
@@ -169,7 +190,7 @@ class EnginePool:
         orphans = [(rid, entry) for rid, entry in self._in_flight.items() if entry.rank == rank]
         num_resent = 0
         for request_id, entry in orphans:
-            if entry.num_tokens == 0 and self._resend(entry):
+            if self._may_move(entry) and self._resend(entry):
                 num_resent += 1
                 continue
             del self._in_flight[request_id]
@@ -184,7 +205,7 @@ class EnginePool:
                 )
             )
         log.warning(
-            "dropped engine rank %d (%s): %d requests in flight, %d re-sent, %d failed",
+            "dropped engine rank %d (%s): %d requests in flight, %d moved to other ranks, %d failed",
             rank, reason, len(orphans), num_resent, len(orphans) - num_resent,
         )
 
@@ -221,15 +242,19 @@ class EnginePool:
             self.on_start_wave(wake_up)
         return rank
 
-    def _resend(self, entry: _InFlight) -> bool:
-        """Send a sequence whose rank was dropped before it produced a token to the router's pick (as it was
-        stamped: same wave); False when no rank serves."""
+    def _may_move(self, entry: _InFlight) -> bool:
+        return entry.migrations < (self.migration_limit if entry.token_ids else max(1, self.migration_limit))
+
+    def _resend(self, entry: _InFlight, exclude: int | None = None) -> bool:
+        """Move a sequence whose rank was dropped (or gave it back) to the router's pick (as it was stamped: same
+        wave): itself if it has no token yet, else its continuation. False when no (other) rank serves."""
         try:
-            rank = self._router.pick()
+            rank = self._router.pick(exclude=exclude)
         except NoEngineAvailable:
             return False
         entry.rank = rank
-        self._send(rank, entry.request)
+        entry.migrations += 1
+        self._send(rank, continuation(entry.request, entry.token_ids) if entry.token_ids else entry.request)
         if self._on_resend is not None:
             self._on_resend()
         return True
@@ -284,7 +309,14 @@ class EnginePool:
             entry = in_flight.get(output.request_id)
             if entry is None:
                 continue  # aborted or finished here already
-            entry.num_tokens += len(output.new_token_ids)
+            if output.finish_reason == FinishReason.ABORT and not output.new_token_ids and self._may_move(entry):
+                # not asked for by this frontend (its aborts leave the table first): the engine is stopping at
+                # once and gives the request back; it moves as a dead rank's would, unless no other rank serves
+                if self._resend(entry, exclude=message.engine_rank):
+                    log.info("engine rank %d gave request %s back: moved to rank %d", message.engine_rank,
+                             output.request_id, entry.rank)  # fmt: skip
+                    continue
+            entry.token_ids += output.new_token_ids
             if output.finish_reason is not None:
                 del in_flight[output.request_id]
             entry.queue.put_nowait((entry.seq_index, output))

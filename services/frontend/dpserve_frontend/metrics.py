@@ -67,12 +67,21 @@ class _SnapshotCollector:
         states = GaugeMetricFamily("dpserve:engine_state", "1 for each rank's current state in the coordinator's "
                                    "topology (starting, ready, draining, dead).", labels=[*labels, "state"])
         target = GaugeMetricFamily("dpserve:data_parallel_size", "The deployment's target number of ranks.")
+        healthy = GaugeMetricFamily("dpserve:engine_healthy", "1 while the rank is READY in the topology, else 0.",
+                                    labels=labels)
+        failed = GaugeMetricFamily("dpserve:engine_failed", "1 while the rank is in a crash loop (it died soon "
+                                   "after each of its last starts; still retried on a back-off).", labels=labels)
+        restarts = CounterMetricFamily("dpserve:engine_restarts", "Replacements the coordinator started for the "
+                                       "rank.", labels=labels)
         topology = self.topology
         if topology is not None:
             for engine in topology.engines:
+                values = [self.model_name, str(engine.rank)]
                 for state in EngineState:
-                    states.add_metric([self.model_name, str(engine.rank), state.value],
-                                      1.0 if engine.state == state else 0.0)
+                    states.add_metric([*values, state.value], 1.0 if engine.state == state else 0.0)
+                healthy.add_metric(values, 1.0 if engine.state == EngineState.READY else 0.0)
+                failed.add_metric(values, 1.0 if engine.failed else 0.0)
+                restarts.add_metric(values, engine.restarts)
             target.add_metric([], topology.data_parallel_size)
         snapshot = self.snapshot
         if snapshot is not None:
@@ -87,7 +96,8 @@ class _SnapshotCollector:
                 compiled.add_metric(values, 1.0 if load.decode_compiled else 0.0)
             wave.add_metric([], snapshot.wave)
             is_running.add_metric([], 1.0 if snapshot.engines_running else 0.0)
-        return [running, waiting, kv, queries, hits, preemptions, compiled, wave, is_running, states, target]
+        return [running, waiting, kv, queries, hits, preemptions, compiled, wave, is_running, states, target,
+                healthy, failed, restarts]
 
 
 def observe_many(histogram, values: list[float]) -> None:
@@ -155,8 +165,8 @@ class FrontendMetrics:
                                      ["endpoint", "status"], registry=own)
         self.aborted = Counter("dpserve:frontend_aborted_requests", "Sequences aborted by the frontend "
                                "(client gone, stop string, shutdown).", registry=own)
-        self.resent = Counter("dpserve:frontend_resent_requests", "Sequences re-sent after their rank went away.",
-                              registry=own)
+        self.migrations = Counter("dpserve:request_migrations", "Sequences moved to another rank after theirs went "
+                                  "away (re-sent before their first token, or continued after it).", registry=own)
         self.engine_errors = Counter("dpserve:frontend_engine_errors", "Sequences that ended with an engine error.",
                                      ["engine"], registry=own)
         self.model_name = model_name

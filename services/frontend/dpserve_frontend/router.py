@@ -77,19 +77,20 @@ class Router:
         for entry in self._loads.values():
             entry.num_sent = 0
 
-    def pick(self, pinned_rank: int | None = None, num_seqs: int = 1) -> int:
-        """Choose a rank and count `num_seqs` sends to it."""
+    def pick(self, pinned_rank: int | None = None, num_seqs: int = 1, exclude: int | None = None) -> int:
+        """Choose a rank (other than `exclude`: one that just gave a request back) and count `num_seqs` sends to
+        it."""
         if pinned_rank is not None:
             if pinned_rank not in self._loads:
                 raise RankNotServing(pinned_rank, self.serving_ranks)
             rank = pinned_rank
         else:
-            rank = self._lowest_cost()
+            rank = self._lowest_cost(exclude)
         self._loads[rank].num_sent += num_seqs
         return rank
 
-    def _lowest_cost(self) -> int:
-        ranks = self._serving
+    def _lowest_cost(self, exclude: int | None = None) -> int:
+        ranks = self._serving if exclude is None else [r for r in self._serving if r != exclude]
         if not ranks:
             raise NoEngineAvailable("no engine rank is serving")
         start = self._next_start % len(ranks)

@@ -30,8 +30,22 @@ class FrontendSettings:
     coordinator_silence_s: float = COORDINATOR_SILENCE_S  # no broadcast this long: register again
     deployment_id: str = ""  # "": adopt the id of the coordinator that accepts this frontend (envelope.py)
     strict_request_fields: bool = False  # unknown request fields: a 400 (OpenAI) instead of ignored (vLLM)
+    migration_limit: int = 3  # moves of one request to another rank after its rank died (engine_pool.py)
     ready_file: str | None = None  # written once this frontend follows the broadcasts and sees every rank serve
     chat_template: str | None = None  # --chat-template: replaces the model's own (the template's text)
+
+
+def add_migration_flag(parser: argparse.ArgumentParser) -> None:
+    """--migration-limit, for the frontend and for `dpserve serve` (which passes it on)."""
+    parser.add_argument("--migration-limit", type=_non_negative_int, default=FrontendSettings.migration_limit,
+                        help="how many times a request moves to another rank when its rank dies: a started stream goes on as its continuation (prompt + the tokens so far), with no gap or repeat; 0: a started stream ends with an error event instead (default: %(default)s)")
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def read_chat_template(value: str) -> str:
@@ -83,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
+    add_migration_flag(parser)
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file (or the template itself) replacing the model's own, as "
                              "vLLM's --chat-template (default: the model's)")
@@ -116,6 +131,7 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         stats_interval_s=args.stats_interval,
         ready_file=args.ready_file,
         strict_request_fields=args.strict_request_fields,
+        migration_limit=args.migration_limit,
         deployment_id=args.deployment_id,
         chat_template=chat_template,
         **kwargs,

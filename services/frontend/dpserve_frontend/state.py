@@ -8,7 +8,7 @@ import logging
 import time
 
 import msgspec
-from dpserve_shared.schema import EngineLoad, LoadSnapshot, ModelInfo, Topology
+from dpserve_shared.schema import EngineLoad, EngineState, LoadSnapshot, ModelInfo, Topology
 
 from dpserve_frontend.engine_pool import EnginePool
 from dpserve_frontend.errors import BadRequest, ModelNotFound, ServiceUnavailable
@@ -37,7 +37,8 @@ class FrontendState:
         self.pool = EnginePool(
             settings.frontend_id,
             on_engine_load=self._on_engine_load,
-            on_resend=self.metrics.resent.inc,
+            on_resend=self.metrics.migrations.inc,
+            migration_limit=settings.migration_limit,
         )
         self.tokenizer: ModelTokenizer | None = None
         self.model_info: ModelInfo | None = None
@@ -93,6 +94,20 @@ class FrontendState:
         if self.is_draining or not serving:
             return "unavailable", serving, expected
         return ("ok" if len(serving) >= expected else "degraded"), serving, expected
+
+    def rank_health(self) -> list[dict]:
+        """Each rank of the newest topology: rank, state ("failed" for a DEAD rank in a crash loop), whether this
+        API server routes to it, its restarts and why it is down."""
+        topology = self.pool.topology
+        serving = set(self.pool.serving_ranks)
+        out = []
+        for info in topology.engines if topology is not None else []:
+            state = "failed" if info.failed and info.state != EngineState.READY else info.state.value
+            entry = {"rank": info.rank, "state": state, "serving": info.rank in serving, "restarts": info.restarts}
+            if info.dead_reason:
+                entry["reason"] = info.dead_reason
+            out.append(entry)
+        return out
 
     # -- checks for handlers ----------------------------------------------------------------------------------
 
