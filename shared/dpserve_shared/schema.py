@@ -123,6 +123,7 @@ class EngineInfo(_Part):
     dead_reason: str = ""  # DEAD: why (the exit code, the signal, "did not register")
     restarts: int = 0  # replacements started for this rank so far
     failed: bool = False  # in a crash loop: it died soon after each of its last starts (retried on a back-off)
+    deaths: dict[str, int] = {}  # times it went DEAD, by kind (killed, exited, missed_heartbeats, stuck, ...)
 
 # ----------------------------------------------------------------------------------------------------------------
 

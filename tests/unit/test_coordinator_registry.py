@@ -129,3 +129,21 @@ def test_a_rank_with_work_whose_step_counter_stands_still_is_stuck_while_it_hear
     states = {e.rank: (e.state, e.dead_reason) for e in registry.topology().engines}
     assert states[0] == (EngineState.DEAD, "stuck: no engine step for 61 s with 2 requests")
     assert states[1][0] == states[2][0] == EngineState.READY
+
+
+def test_deaths_are_counted_by_kind_and_survive_the_replacement():
+    from dpserve_coordinator.registry import death_kind
+
+    assert death_kind("engine process 12 exited with code -9") == "killed"
+    assert death_kind("engine process 12 exited with code 1") == "exited"
+    assert death_kind("stuck: no engine step for 61 s with 2 requests") == "stuck"
+    assert death_kind("missed heartbeats") == "missed_heartbeats"
+    registry = Registry(1)
+    registry.register_engine(engine(0), now_s=0.0)
+    registry.mark_dead(0, "engine process 12 exited with code -9")
+    registry.register_engine(engine(0, "engine-0b"), now_s=1.0)  # the replacement
+    registry.mark_dead(0, "missed heartbeats")
+    registry.mark_dead(0, "engine process 13 exited with code -9")  # already DEAD: the reason only
+    info = registry.topology().engines[0]
+    assert info.deaths == {"killed": 1, "missed_heartbeats": 1}
+    assert info.dead_reason == "engine process 13 exited with code -9"

@@ -1,5 +1,6 @@
 """The start-up progress line: a phase and the seconds so far, while a long step runs."""
 
+import contextlib
 import logging
 import threading
 
@@ -19,50 +20,42 @@ class _Lines(logging.Handler):
             self.seen.set()
 
 
-@pytest.fixture
-def engine_log():
+@contextlib.contextmanager
+def _capturing(wanted: str):
     log = logging.getLogger("dpserve_engine.test_progress")
     log.setLevel(logging.INFO)
-    yield log
+    lines = _Lines(wanted)
+    log.addHandler(lines)
+    try:
+        yield log, lines
+    finally:
+        log.removeHandler(lines)
 
 
 @pytest.mark.timeout(10)
-def test_the_phase_is_the_engines_latest_line_without_its_details(engine_log):
-    lines = _Lines("s so far")
-    engine_log.addHandler(lines)
-    try:
-        with Ticker(engine_log, "loading model m", interval_s=0.01):
-            engine_log.info("building the engine's C++ kernels (once; cached in /somewhere)")
+def test_the_phase_is_the_engines_latest_line_without_its_details():
+    with _capturing("s so far") as (log, lines):
+        with Ticker(log, "loading model m", interval_s=0.01):
+            log.info("building the engine's C++ kernels (once; cached in /somewhere)")
             assert lines.seen.wait(5)
-    finally:
-        engine_log.removeHandler(lines)
     progress = [line for line in lines.lines if "so far" in line]
     assert progress[0].startswith("loading model m: building the engine's C++ kernels, ")
     assert progress[0].endswith(" s so far")
 
 
 @pytest.mark.timeout(10)
-def test_a_given_phase_and_suffix(engine_log):
-    lines = _Lines("so far (meanwhile)")
-    engine_log.addHandler(lines)
-    try:
-        with Ticker(engine_log, "decode step", lambda: "tracing", " (meanwhile)", interval_s=0.01):
+def test_a_given_phase_and_suffix():
+    with _capturing("so far (meanwhile)") as (log, lines):
+        with Ticker(log, "decode step", lambda: "tracing", " (meanwhile)", interval_s=0.01):
             assert lines.seen.wait(5)
-    finally:
-        engine_log.removeHandler(lines)
     assert any(line.startswith("decode step: tracing, ") for line in lines.lines)
 
 
 @pytest.mark.timeout(10)
-def test_nothing_is_logged_after_the_block(engine_log):
-    lines = _Lines("so far")
-    engine_log.addHandler(lines)
-    try:
-        with Ticker(engine_log, "quick", interval_s=60):
+def test_nothing_is_logged_after_the_block():
+    with _capturing("so far") as (log, lines):
+        with Ticker(log, "quick", interval_s=60):
             pass
         assert not lines.seen.wait(0.05)
-    finally:
-        engine_log.removeHandler(lines)
     assert lines.lines == []
-    assert all(not isinstance(h, logging.Handler) or h.__class__.__name__ != "_LatestMessage"
-               for h in logging.getLogger("dpserve_engine").handlers)  # fmt: skip
+    assert not any(type(h).__name__ == "_LatestMessage" for h in logging.getLogger("dpserve_engine").handlers)

@@ -33,6 +33,20 @@ from dpserve_shared.schema import (
 from dpserve_shared.timing import ENGINE_SILENCE_S, ENGINE_STALL_S, FRONTEND_SILENCE_S
 
 
+def death_kind(reason: str) -> str:
+    """A DEAD reason's kind, for the deaths counter: killed (by a signal), exited (an exit code), actor_died,
+    missed_heartbeats, stuck, unregistered, other."""
+    if "exited with code -" in reason:
+        return "killed"
+    if "exited with code" in reason:
+        return "exited"
+    for kind, marker in (("missed_heartbeats", "missed heartbeats"), ("stuck", "stuck"), ("actor_died", "actor"),
+                         ("unregistered", "unregister")):  # fmt: skip
+        if marker in reason:
+            return kind
+    return "other"
+
+
 class RegistrationRefused(Exception):
     """A registration the coordinator will not accept; the message goes back in RegisterAck.error."""
 
@@ -51,6 +65,7 @@ class EngineEntry:
     dead_reason: str = ""
     restarts: int = 0
     failed: bool = False
+    deaths: dict[str, int] = dataclasses.field(default_factory=dict)  # by death_kind()
     step_changed_s: float = 0.0  # when its load's step counter last moved (or it registered)
 
     def info(self) -> EngineInfo:
@@ -65,6 +80,7 @@ class EngineEntry:
             dead_reason=self.dead_reason if self.state == EngineState.DEAD else "",
             restarts=self.restarts,
             failed=self.failed,
+            deaths=dict(self.deaths),
         )
 
 
@@ -132,6 +148,7 @@ class Registry:
             # the rank's history (the supervisor's): a replacement keeps the count and the crash-loop mark
             restarts=current.restarts if current is not None else 0,
             failed=current.failed if current is not None else False,
+            deaths=current.deaths if current is not None else {},
         )
         if self.model is None:
             self.model = msg.model
@@ -164,6 +181,8 @@ class Registry:
             return False
         entry.state = EngineState.DEAD
         entry.dead_reason = reason
+        kind = death_kind(reason)
+        entry.deaths[kind] = entry.deaths.get(kind, 0) + 1
         entry.load = None
         self.epoch += 1
         self.load_version += 1

@@ -113,6 +113,9 @@ class Scaler:
                 f"a scale to {self._target} is in progress (for {time.monotonic() - self._started_s:.0f} s); "
                 "wait for it to finish"
             )
+        for rank in range(target):  # a DEAD or FAILED rank the target includes: its replacement starts now
+            if self._supervisor.retry_now(rank):
+                log.info("scale to %d: rank %d is DEAD; its replacement starts now", target, rank)
         add, remove = registry.scale_plan(target)
         if not add and not remove and target == current:
             log.info("scale to %d: nothing to do", target)

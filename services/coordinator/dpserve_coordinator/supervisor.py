@@ -69,6 +69,7 @@ class RankSupervisor:
         self._launcher = launcher
         self._watchers: dict[int, asyncio.Task] = {}
         self._num_restarts: dict[int, int] = {}
+        self._wake: dict[int, asyncio.Event] = {}  # set: a DEAD rank's back-off ends now (retry_now)
         self._is_stopping = False
 
     async def connect(self) -> None:
@@ -109,6 +110,16 @@ class RankSupervisor:
             await self._launcher.kill(rank)
         except Exception as e:  # noqa: BLE001 - the watcher still sees whatever happens to the process
             log.error("rank %d: could not kill its engine process: %s", rank, e)
+
+    def retry_now(self, rank: int) -> bool:
+        """End a DEAD rank's back-off now (`dpserve scale` to a size that includes it); False if it is not
+        waiting for a replacement."""
+        wake = self._wake.get(rank)
+        entry = self._registry.engines.get(rank)
+        if wake is None or wake.is_set() or entry is None or entry.state != EngineState.DEAD:
+            return False
+        wake.set()
+        return True
 
     def is_watching(self, rank: int) -> bool:
         return rank in self._watchers
@@ -205,7 +216,12 @@ class RankSupervisor:
             quick_deaths = quick_deaths + 1 if time.monotonic() - started < STABLE_S else 1
             while True:
                 delay = self._note_death(rank, quick_deaths, reason)
-                await asyncio.sleep(delay)
+                wake = self._wake.setdefault(rank, asyncio.Event())
+                wake.clear()
+                try:
+                    await asyncio.wait_for(wake.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
                 if self._is_stopping or rank in self._registry.retiring:
                     return
                 try:

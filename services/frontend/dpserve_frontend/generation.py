@@ -128,6 +128,7 @@ class Generation:
         try:
             self.rank = self._pool.submit(requests, self._queue, self.spec.pinned_rank)
         except (NoEngineAvailable, RankNotServing) as e:
+            self._metrics.requests_failed.labels("no_rank").inc()
             raise ServiceUnavailable(str(e)) from None
 
     async def deltas(self) -> AsyncIterator[list[SeqDelta]]:
@@ -162,6 +163,7 @@ class Generation:
         if finish_reason is not None and (finish_reason == FinishReason.ERROR or finish_reason == FinishReason.ABORT):
             self.close()
             self._metrics.engine_errors.labels(str(self.rank)).inc()
+            self._metrics.requests_failed.labels("engine").inc()
             reason = output.error or "the engine aborted the request"
             raise EngineError(f"request failed on engine rank {self.rank}: {reason}")
         if seq.first_token_s is None:

@@ -73,6 +73,9 @@ class _SnapshotCollector:
                                    "after each of its last starts; still retried on a back-off).", labels=labels)
         restarts = CounterMetricFamily("dpserve:engine_restarts", "Replacements the coordinator started for the "
                                        "rank.", labels=labels)
+        deaths = CounterMetricFamily("dpserve:engine_deaths", "Times the rank went DEAD, by kind (killed, exited, "
+                                     "actor_died, missed_heartbeats, stuck, unregistered).",
+                                     labels=[*labels, "reason"])  # fmt: skip
         topology = self.topology
         if topology is not None:
             for engine in topology.engines:
@@ -82,6 +85,8 @@ class _SnapshotCollector:
                 healthy.add_metric(values, 1.0 if engine.state == EngineState.READY else 0.0)
                 failed.add_metric(values, 1.0 if engine.failed else 0.0)
                 restarts.add_metric(values, engine.restarts)
+                for kind, count in engine.deaths.items():
+                    deaths.add_metric([*values, kind], count)
             target.add_metric([], topology.data_parallel_size)
         snapshot = self.snapshot
         if snapshot is not None:
@@ -97,7 +102,7 @@ class _SnapshotCollector:
             wave.add_metric([], snapshot.wave)
             is_running.add_metric([], 1.0 if snapshot.engines_running else 0.0)
         return [running, waiting, kv, queries, hits, preemptions, compiled, wave, is_running, states, target,
-                healthy, failed, restarts]
+                healthy, failed, restarts, deaths]
 
 
 def observe_many(histogram, values: list[float]) -> None:
@@ -167,6 +172,9 @@ class FrontendMetrics:
                                "(client gone, stop string, shutdown).", registry=own)
         self.migrations = Counter("dpserve:request_migrations", "Sequences moved to another rank after theirs went "
                                   "away (re-sent before their first token, or continued after it).", registry=own)
+        self.requests_failed = Counter("dpserve:requests_failed", "Requests that failed after they were accepted: "
+                                       "reason no_rank (none serving: 503), engine (an engine error, or a rank gone "
+                                       "with no move left).", ["reason"], registry=own)
         self.engine_errors = Counter("dpserve:frontend_engine_errors", "Sequences that ended with an engine error.",
                                      ["engine"], registry=own)
         self.model_name = model_name
