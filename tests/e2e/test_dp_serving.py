@@ -290,6 +290,11 @@ def test_dead_engine_is_routed_around_and_replaced(server, how):
     assert body["choices"][0]["text"] is not None
 
 
+def _parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def _migrations(server) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -306,12 +311,15 @@ def _wait_replaced(server, rank: int, old_pid: int) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+@pytest.mark.parametrize("how", ["killed", "stopped", "actor"])
 def test_streams_on_a_dead_rank_go_on_with_the_text_they_would_have_had(server, how):
     """A rank's engine is SIGKILLed (or SIGSTOPped: silent, it is declared DEAD after the heartbeat timeout, then
-    killed and replaced) while it streams greedy completions: every stream goes on on the other rank (its
+    killed and replaced; or, on ray, the worker process of its actor is SIGKILLed: the actor dies and its engine
+    with it) while it streams greedy completions: every stream goes on on the other rank (its
     continuation: prompt + the tokens so far), with no error and no gap or repeat: each text is byte-identical
     to the same request's without a fault, and usage counts every token once."""
+    if how == "actor" and server.backend != "ray":
+        pytest.skip("no actor on the mp backend")
     if "(null engine)" in server.log().split("\n", 1)[0]:
         pytest.skip("the null engine's steps take no time here: its streams end before a fault lands (the null "
                     "path: tests/integration/test_frontend_generation.py)")
@@ -348,7 +356,11 @@ def test_streams_on_a_dead_rank_go_on_with_the_text_they_would_have_had(server, 
                 # every stream of the rank has its first text: they are mid-way when the rank dies
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for i, e in started.items() if i % DP == kill_rank)),
                                        120)  # fmt: skip
-                os.kill(_engine_pid(server, kill_rank), how)
+                pid = _engine_pid(server, kill_rank)
+                if how == "actor":
+                    os.kill(_parent_pid(pid), signal.SIGKILL)  # the Ray worker running EngineHost
+                else:
+                    os.kill(pid, signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
     baseline = asyncio.run(all_streams(None))
