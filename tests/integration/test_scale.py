@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.error
@@ -271,10 +272,10 @@ def test_vllm_scale_elastic_ep_endpoint_on_the_frontend(server):
 # -- ray backend ------------------------------------------------------------------------------------------------
 
 
-def _start_serve_on_cluster(address: str, env: dict, log_path: str) -> ServeProcess:
+def _start_serve_on_cluster(address: str, env: dict, log_path: str, size: int = 1) -> ServeProcess:
     port, rpc_port = free_port(), free_port()
     cmd = [DPSERVE, "serve", "--data-parallel-backend", "ray", "--ray-address", address,
-           "--data-parallel-size", "1", "--api-server-count", "1", "--host", "127.0.0.1", "--port", str(port),
+           "--data-parallel-size", str(size), "--api-server-count", "1", "--host", "127.0.0.1", "--port", str(port),
            "--data-parallel-rpc-port", str(rpc_port), "--max-model-len", "1024", "--max-num-seqs", "32",
            "--null-engine", "--null-step-time-ms", STEP_MS]  # fmt: skip
     with open(log_path, "wb") as log:
@@ -356,3 +357,42 @@ def test_local_ray_instance_has_room_to_scale_up(serve_factory):
         assert load.failures == [], load.failures[:5]
     finally:
         serve_factory.close()  # scaled: no other test may reuse it
+
+
+def _ray_kill(address: str, env: dict, actor: str) -> None:
+    code = textwrap.dedent(f"""
+        import ray
+        ray.init(address={address!r}, namespace="dpserve", logging_level="ERROR", log_to_driver=False)
+        ray.kill(ray.get_actor({actor!r}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, RAY_AUTH_MODE="token"), capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.ray
+def test_an_actor_killed_through_ray_is_a_rank_death_like_any_other(ray_cluster, tmp_path):  # noqa: F811
+    """ray.kill on a rank's EngineHost: its engine process dies with it (PR_SET_PDEATHSIG), the rank is DEAD, its
+    streams move to the other rank, and a replacement actor serves the rank again; no stream fails."""
+    address, env = ray_cluster
+    server = _start_serve_on_cluster(address, env, str(tmp_path / "serve-ray.log"), size=2)
+    try:
+        with StreamLoad(server.url, num_threads=4) as load:
+            wait_for(lambda: load.num_ok >= 4, 60, "the load to get going")
+            _ray_kill(address, env, "dpserve-engine-1")
+            wait_for(lambda: _serving_ranks(server.url) == [0, 1] and _restarts(server.url, 1) >= 1, 60,
+                     "rank 1 replaced")  # fmt: skip
+            done = load.num_ok
+            wait_for(lambda: load.num_ok >= done + 4, 60, "the load to go on")
+        assert load.failures == [], load.failures[:5]
+    except BaseException:
+        print(f"\n----- {server.log_path} (tail) -----\n{server.log()[-8000:]}")
+        raise
+    finally:
+        problems = stop_serve(server)
+    assert not problems, problems
+
+
+def _restarts(url: str, rank: int) -> int:
+    with urllib.request.urlopen(url + "/health", timeout=5) as response:
+        return {r["rank"]: r for r in json.load(response)["ranks"]}[rank]["restarts"]
