@@ -54,7 +54,12 @@ def test_a_crash_loop_is_failed_and_retried_until_the_rank_serves_again(tmp_path
         failed = wait_for(lambda: rank_1()["state"] == "failed" and rank_1(), 120, "rank 1 shown as failed")
         assert failed["serving"] is False and failed["restarts"] >= 4 and "exited with code" in failed["reason"]
         assert _health(server.url, "?rank=1")[0] == 503 and _health(server.url)[1]["status"] == "degraded"
-        assert engine_metrics(server.url).get("dpserve:engine_failed", {}).get(1) == 1.0
+        metrics = engine_metrics(server.url)
+        assert metrics["dpserve:engine_failed"] == {0: 0.0, 1: 1.0}
+        assert metrics["dpserve:engine_healthy"] == {0: 1.0, 1: 0.0}
+        # one death (the kill; a replacement that dies before it registers updates the reason only), 4+ restarts
+        assert metrics["dpserve:engine_deaths_total"][1] == 1
+        assert metrics["dpserve:engine_restarts_total"][1] >= 4
         model.symlink_to(_bundled_gguf())  # the next retry (on the back-off, at most 30 s away) can start
         wait_for(lambda: _health(server.url, "?rank=1")[0] == 200, 120, "rank 1 serving again")
         assert _health(server.url)[1]["status"] == "ok" and _engine_pid(server, 1) not in (None, old_pid)
