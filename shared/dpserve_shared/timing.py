@@ -10,7 +10,10 @@ HEARTBEAT_INTERVAL_S = 1.0  # frontends and engines -> coordinator, whatever els
 # about a second on a 2-core AVX2 machine (~0.28 s per 128 tokens), more beside a cold start's compile; 60 s
 # leaves a wide margin (a model 10 x larger with 4 x the chunk still fits). Otherwise: --engine-stall-timeout-s.
 ENGINE_STALL_S = 60.0
-ENGINE_SILENCE_S = 10.0  # coordinator: an engine without a heartbeat this long is DEAD (READY again if it returns)
+# coordinator: an engine without a heartbeat this long is DEAD, and killed if the coordinator started it (a stopped
+# or hung process). Heartbeats come every 1 s from a thread of their own (coordinator_link.py), which torch's ops
+# and the compile's tracing (at a 20 us switch interval) leave the GIL to; 5 s is five missed in a row.
+ENGINE_SILENCE_S = 5.0
 FRONTEND_SILENCE_S = 5.0  # coordinator: a frontend without a heartbeat this long is gone (FrontendGone broadcast)
 TOPOLOGY_REPUBLISH_S = 2.0  # coordinator: the Topology is broadcast at least this often, changed or not
 LOAD_MIN_INTERVAL_S = 0.1  # coordinator: a LoadSnapshot at most this often after a change...

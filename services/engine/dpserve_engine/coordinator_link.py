@@ -6,7 +6,7 @@
   `Unregister` on exit. The coordinator sends `Shutdown` here (scale-down).
 - broadcast: a SUB to the coordinator's PUB (`Topology`, `LoadSnapshot`, `StartWave`, `FrontendGone`, `Shutdown`).
 - heartbeats: `Heartbeat` every 1 s from a thread with a DEALER of its own, so that a long step (a big prefill
-  on a starved CPU can take longer than the coordinator's 10 s engine timeout) never makes a live rank look dead.
+  on a starved CPU can take longer than the coordinator's 5 s engine timeout) never makes a live rank look dead.
 
 Re-registration: when the broadcast has been silent for 5 s the coordinator may have restarted, so
 `RegisterEngine` is sent again (same id and rank) and the broadcast of the new ack's `pub_addr` followed. An
