@@ -10,6 +10,7 @@ Null engines (tokens on a fixed step time) keep this cheap; the serving path is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -272,6 +273,20 @@ def test_vllm_scale_elastic_ep_endpoint_on_the_frontend(server):
 # -- ray backend ------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _running(server: ServeProcess):
+    """Around a test's use of `server`: its log tail printed if the test fails, and it is stopped (and nothing it
+    started may be left) either way."""
+    try:
+        yield server
+    except BaseException:
+        print(f"\n----- {server.log_path} (tail) -----\n{server.log()[-8000:]}")
+        raise
+    finally:
+        problems = stop_serve(server)
+    assert not problems, problems
+
+
 def _start_serve_on_cluster(address: str, env: dict, log_path: str, size: int = 1) -> ServeProcess:
     port, rpc_port = free_port(), free_port()
     cmd = [DPSERVE, "serve", "--data-parallel-backend", "ray", "--ray-address", address,
@@ -306,7 +321,7 @@ def _dpserve_state(address: str, env: dict) -> tuple[list[str], dict[str, list[s
 def test_ray_scale_up_and_down_releases_the_actor_and_placement_group(ray_cluster, tmp_path):  # noqa: F811
     address, env = ray_cluster
     server = _start_serve_on_cluster(address, env, str(tmp_path / "serve-ray.log"))
-    try:
+    with _running(server):
         with StreamLoad(server.url, num_threads=2) as load:
             wait_for(lambda: load.num_ok >= 2, 60, "the load to get going")
             up = _scale(server.rpc_port, 2)
@@ -327,12 +342,6 @@ def test_ray_scale_up_and_down_releases_the_actor_and_placement_group(ray_cluste
         assert load.failures == [], load.failures[:5]
         log = server.log()
         assert "rank 1: placement on" in log and "placement group dpserve-rank-1 removed" in log
-    except BaseException:
-        print(f"\n----- {server.log_path} (tail) -----\n{server.log()[-8000:]}")
-        raise
-    finally:
-        problems = stop_serve(server)
-    assert not problems, problems
     actors, groups = _dpserve_state(address, env)
     assert not actors and all(set(states) == {"REMOVED"} for states in groups.values()), (actors, groups)
 
@@ -376,7 +385,7 @@ def test_an_actor_killed_through_ray_is_a_rank_death_like_any_other(ray_cluster,
     streams move to the other rank, and a replacement actor serves the rank again; no stream fails."""
     address, env = ray_cluster
     server = _start_serve_on_cluster(address, env, str(tmp_path / "serve-ray.log"), size=2)
-    try:
+    with _running(server):
         with StreamLoad(server.url, num_threads=4) as load:
             wait_for(lambda: load.num_ok >= 4, 60, "the load to get going")
             _ray_kill(address, env, "dpserve-engine-1")
@@ -385,12 +394,6 @@ def test_an_actor_killed_through_ray_is_a_rank_death_like_any_other(ray_cluster,
             done = load.num_ok
             wait_for(lambda: load.num_ok >= done + 4, 60, "the load to go on")
         assert load.failures == [], load.failures[:5]
-    except BaseException:
-        print(f"\n----- {server.log_path} (tail) -----\n{server.log()[-8000:]}")
-        raise
-    finally:
-        problems = stop_serve(server)
-    assert not problems, problems
 
 
 def _restarts(url: str, rank: int) -> int:
