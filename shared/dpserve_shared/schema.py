@@ -125,6 +125,9 @@ class EngineInfo(_Part):
     failed: bool = False  # in a crash loop: it died soon after each of its last starts (retried on a back-off)
     deaths: dict[str, int] = {}  # times it went DEAD, by kind (killed, exited, missed_heartbeats, stuck, ...)
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# To engines
 # ----------------------------------------------------------------------------------------------------------------
 
 

@@ -59,3 +59,14 @@ def test_nothing_is_logged_after_the_block():
         assert not lines.seen.wait(0.05)
     assert lines.lines == []
     assert not any(type(h).__name__ == "_LatestMessage" for h in logging.getLogger("dpserve_engine").handlers)
+
+
+@pytest.mark.timeout(10)
+def test_another_tickers_lines_are_not_a_phase():
+    """The decode step's progress lines (its compile starts during the model load) do not become the load's phase."""
+    with _capturing("loading model m: reading the file, ") as (log, lines):
+        with Ticker(log, "loading model m", interval_s=0.02):
+            log.info("reading the file (model.gguf)")
+            with Ticker(log, "decode step", lambda: "tracing", interval_s=0.005):
+                assert lines.seen.wait(5)
+    assert not any(line.startswith("loading model m: decode step") for line in lines.lines)

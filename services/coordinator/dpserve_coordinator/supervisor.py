@@ -68,7 +68,6 @@ class RankSupervisor:
         self._settings = settings
         self._launcher = launcher
         self._watchers: dict[int, asyncio.Task] = {}
-        self._num_restarts: dict[int, int] = {}
         self._wake: dict[int, asyncio.Event] = {}  # set: a DEAD rank's back-off ends now (retry_now)
         self._is_stopping = False
 
@@ -96,12 +95,11 @@ class RankSupervisor:
         await self.forget(rank)
 
     async def forget(self, rank: int) -> None:
-        """Stop watching the rank; a later rank with its number starts with a fresh restart count."""
+        """Stop watching the rank (a later rank with its number is a new registry entry: a fresh restart count)."""
         task = self._watchers.pop(rank, None)
         if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        self._num_restarts.pop(rank, None)
 
     async def kill(self, rank: int) -> None:
         """SIGKILL the rank's engine process (silent or stuck: it cannot be asked); its watcher then sees it exit
@@ -203,7 +201,7 @@ class RankSupervisor:
         quick_deaths = 0  # in a row, each within STABLE_S of the rank's start
         while True:
             started = time.monotonic()
-            reason, quick_deaths = await self._wait_exit(rank, quick_deaths)
+            reason = await self._wait_exit(rank)
             if self._is_stopping:
                 return
             if rank in self._registry.retiring:  # removed by a scale-down: expected, and not to be restarted
@@ -232,25 +230,26 @@ class RankSupervisor:
                     log.error("rank %d: %s", rank, reason)
                     quick_deaths += 1
 
-    async def _wait_exit(self, rank: int, quick_deaths: int) -> tuple[str, int]:
-        """The launcher's exit reason for the rank; once it has lived STABLE_S, it is healthy (quick deaths 0)."""
+    async def _wait_exit(self, rank: int) -> str:
+        """The launcher's exit reason for the rank; once it has lived STABLE_S, its crash-loop mark goes."""
         exited = asyncio.ensure_future(self._launcher.wait_exit(rank))
         try:
             try:
-                return await asyncio.wait_for(asyncio.shield(exited), STABLE_S), quick_deaths
+                return await asyncio.wait_for(asyncio.shield(exited), STABLE_S)
             except asyncio.TimeoutError:
                 pass
             entry = self._registry.engines.get(rank)
             if entry is not None and entry.failed:
                 log.info("rank %d: serving for %.0f s: no longer failed", rank, STABLE_S)
-                self._registry.set_restarts(rank, self._num_restarts.get(rank, 0), failed=False)
-            return await exited, 0
+                self._registry.set_restarts(rank, entry.restarts, failed=False)
+            return await exited
         finally:
             exited.cancel()
 
     def _note_death(self, rank: int, quick_deaths: int, reason: str) -> float:
         """Count the restart, mark a crash loop FAILED, log; returns the delay before the replacement."""
-        restarts = self._num_restarts[rank] = self._num_restarts.get(rank, 0) + 1
+        entry = self._registry.engines.get(rank)
+        restarts = (entry.restarts if entry is not None else 0) + 1  # the registry keeps the rank's count
         failed = quick_deaths > self._settings.max_engine_restarts
         self._registry.set_restarts(rank, restarts, failed)
         delay = min(MAX_RESTART_DELAY_S, RESTART_DELAY_S * 2 ** (quick_deaths - 1))

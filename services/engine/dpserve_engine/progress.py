@@ -23,6 +23,8 @@ class _LatestMessage(logging.Handler):
         self.message = "starting"
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "progress", False):
+            return  # a Ticker's own line (another phase's, e.g. the decode step's beside the model load)
         try:
             self.message = record.getMessage().split(" (")[0]  # the phase, not its details
         except Exception:  # noqa: BLE001 - a handler must never raise into the code that logs
@@ -58,4 +60,4 @@ class Ticker:
     def _run(self) -> None:
         while not self._done.wait(self.interval_s):
             self.logger.info("%s: %s, %.0f s so far%s", self.what, self.current_phase(),
-                             time.monotonic() - self.started, self.suffix)  # fmt: skip
+                             time.monotonic() - self.started, self.suffix, extra={"progress": True})  # fmt: skip

@@ -38,7 +38,9 @@ class FrontendSettings:
 def add_migration_flag(parser: argparse.ArgumentParser) -> None:
     """--migration-limit, for the frontend and for `dpserve serve` (which passes it on)."""
     parser.add_argument("--migration-limit", type=_non_negative_int, default=FrontendSettings.migration_limit,
-                        help="how many times a request moves to another rank when its rank dies: a started stream goes on as its continuation (prompt + the tokens so far), with no gap or repeat; 0: a started stream ends with an error event instead (default: %(default)s)")
+                        help="how many times a request moves to another rank when its rank dies: a started stream "
+                             "goes on as its continuation (prompt + the tokens so far), with no gap or repeat; 0: a "
+                             "started stream ends with an error event instead (default: %(default)s)")
 
 
 def _non_negative_int(text: str) -> int:
