@@ -24,13 +24,15 @@ install: $(STAMP)
 serve: install
 	$(BIN)/dpserve serve --data-parallel-size $(DP) --port $(PORT)
 
-# Debian tools the tests use: docker-compose (validates docker-compose.yml), iproute2 (network namespaces).
+# Debian tools the tests use: docker-compose (validates docker-compose.yml), iproute2 (network namespaces),
+# chromium (the status page's browser test).
 system-deps:
-	@if ! command -v docker-compose >/dev/null || ! command -v ip >/dev/null; then \
+	@if ! command -v docker-compose >/dev/null || ! command -v ip >/dev/null || ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing docker-compose and iproute2 (Debian packages)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose iproute2 >/dev/null; \
-	  else echo "note: install docker-compose and iproute2 for the deploy and multi-host tests"; fi; \
+	    echo "installing docker-compose, iproute2 and chromium (Debian packages)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose iproute2 chromium >/dev/null \
+	      || echo "note: apt-get failed; the tests that need these packages will say so"; \
+	  else echo "note: install docker-compose, iproute2 and chromium for the deploy, multi-host and browser tests"; fi; \
 	fi
 
 test: install system-deps

@@ -16,6 +16,7 @@ dpserve-coordinator \
   --data-parallel-size "${DPSERVE_DP_SIZE:-2}" \
   --data-parallel-size-local "${DPSERVE_DP_SIZE_LOCAL:-0}" \
   --ray-wait-for-nodes-s "${DPSERVE_WAIT_FOR_NODES_S:-120}" \
+  --status-port "${DPSERVE_STATUS_PORT:-8001}" \
   --model "${DPSERVE_MODEL:-smollm2}" "$@" &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null || true' TERM INT

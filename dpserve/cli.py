@@ -2,6 +2,7 @@
 
 - `dpserve serve`: the coordinator, the engine ranks and the API servers of one deployment (serve.py);
 - `dpserve scale --data-parallel-size K`: add or remove engine ranks of a running deployment (scale.py);
+- `dpserve status`: the status page in the terminal (status.py);
 - `dpserve bench serve|engine`: benchmarks (the `bench` package, its command line in bench/serve.py; the engine's
   own `dpserve_engine.bench`).
 """
@@ -13,6 +14,7 @@ import sys
 
 from dpserve.scale import add_scale_flags, scale
 from dpserve.serve import UsageError, add_serve_flags, serve, validate
+from dpserve.status import add_status_flags, status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
         "scale", help="add or remove engine ranks of a running deployment (waits until the step is done)"
     )
     add_scale_flags(scale_parser)
+    status_parser = commands.add_parser(
+        "status", help="ranks, load, waves and failures of a running deployment, refreshed in the terminal"
+    )
+    add_status_flags(status_parser)
     bench = commands.add_parser("bench", help="benchmarks: `bench serve` (any OpenAI URL), `bench engine` "
                                 "(EngineCore), `bench chaos` (rank faults under load)")
     bench.add_argument("kind", choices=["serve", "engine", "chaos"],
@@ -50,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.data_parallel_size < 1:
             parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
         return scale(args)
+    if args.command == "status":
+        try:
+            return status(args)
+        except KeyboardInterrupt:
+            return 0
     if args.command == "bench":
         if args.kind == "serve":
             from dpserve.bench.serve import main as bench_serve_main

@@ -36,6 +36,7 @@ from dpserve_coordinator import settings as coordinator_settings
 from dpserve_frontend.settings import FrontendSettings, add_migration_flag, read_chat_template
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
+from dpserve_shared.status import API_KEY_ENV
 
 _PR_SET_PDEATHSIG = 1
 _FRONTEND_STOP_S = 35.0  # the frontend drains in-flight requests for up to 30 s
@@ -56,9 +57,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="OpenAI API server processes sharing --port (default: %(default)s)")
     parser.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $DPSERVE_API_KEY if set, "
-                             "else none)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help="require 'Authorization: Bearer KEY' on /v1/*, the admin endpoints and the status "
+                             "page (default: $DPSERVE_API_KEY if set, else none); handed to the children in their "
+                             "environment, not on their command lines")
+    coordinator_settings.add_status_port_flag(parser)
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file (or the template itself) replacing the model's own "
                              "(default: the model's)")
@@ -90,6 +93,8 @@ def validate(args: argparse.Namespace) -> None:
             args.chat_template = os.path.abspath(args.chat_template)
     _check_free(args.host, args.port, "--port")
     _check_free(args.data_parallel_address, args.data_parallel_rpc_port, "--data-parallel-rpc-port")  # coordinator's
+    if args.status_port is not None:
+        _check_free(args.data_parallel_address, args.status_port, "--status-port")
     coordinator_args = coordinator_settings.build_parser().parse_args(coordinator_argv(args))
     try:
         coordinator_settings.settings_from_args(coordinator_args)
@@ -123,6 +128,7 @@ def coordinator_argv(args: argparse.Namespace, ready_file: str | None = None, de
         *(["--deployment-id", deployment_id] if deployment_id else []),
     ]  # fmt: skip
     optional = {
+        "--status-port": args.status_port,
         "--data-parallel-size-local": args.data_parallel_size_local,
         "--ray-address": args.ray_address,
         "--ray-temp-dir": args.ray_temp_dir,
@@ -149,8 +155,6 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         "--host", args.host,
         "--port", str(args.port),
     ]  # fmt: skip
-    if args.api_key:
-        cmd += ["--api-key", args.api_key]
     if args.strict_request_fields:
         cmd += ["--strict-request-fields"]
     if args.migration_limit != FrontendSettings.migration_limit:
@@ -212,8 +216,12 @@ class Server:
 
     def start(self) -> None:
         args = argparse.Namespace(**{**vars(self.args), "ray_temp_dir": self.ray_temp_dir or self.args.ray_temp_dir})
-        self.coordinator = self._spawn(coordinator_command(args, self.ready_file, self.deployment_id))
-        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if self.args.api_key:
+            env[API_KEY_ENV] = self.args.api_key  # not on a command line: `ps` shows those to every user
+        self.coordinator = self._spawn(coordinator_command(args, self.ready_file, self.deployment_id), env)
+        env = dict(env, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
         self.frontend_ready_files = [
             os.path.join(self.work_dir, f"frontend-{i}-ready") for i in range(self.args.api_server_count)
         ]

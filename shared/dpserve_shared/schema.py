@@ -112,6 +112,21 @@ class EngineLoad(_Part):
     decode_compiled: bool = False  # decode steps run the compiled graph (False while it is prepared, or eager)
 
 
+class FrontendStats(_Part):
+    """One API server's own figures, on its heartbeats and, gathered by the coordinator, on every LoadSnapshot
+    (the status page's API-server panel and its TTFT/TPOT charts). Counters are cumulative since its start."""
+
+    frontend_id: str
+    pid: int = 0
+    http_addr: str = ""
+    num_in_flight: int = 0  # HTTP requests being answered
+    requests_finished: int = 0  # sequences finished
+    ttft_sum_s: float = 0.0
+    ttft_count: int = 0
+    tpot_sum_s: float = 0.0  # each request's mean time per output token, summed
+    tpot_count: int = 0
+
+
 class EngineInfo(_Part):
     rank: int
     engine_id: str
@@ -231,6 +246,7 @@ class Unregister(_Msg, tag="unregister"):
 class Heartbeat(_Msg, tag="heartbeat"):
     sender_id: str
     timestamp: float = 0.0
+    stats: FrontendStats | None = None  # a frontend's figures (engines send none)
 
 
 class EngineStats(_Msg, tag="engine_stats"):
@@ -274,6 +290,7 @@ class LoadSnapshot(_Msg, tag="load"):
     wave: int = 0
     engines_running: bool = False
     timestamp: float = 0.0
+    frontends: list[FrontendStats] = []  # every registered API server's newest figures
 
 
 class RegisterAck(_Msg, tag="register_ack"):

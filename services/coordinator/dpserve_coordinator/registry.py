@@ -24,6 +24,7 @@ from dpserve_shared.schema import (
     EngineInfo,
     EngineLoad,
     EngineState,
+    FrontendStats,
     LoadSnapshot,
     ModelInfo,
     RegisterEngine,
@@ -90,6 +91,7 @@ class FrontendEntry:
     pid: int
     http_addr: str
     last_seen_s: float
+    stats: FrontendStats | None = None  # from its newest heartbeat
 
 
 class Registry:
@@ -268,11 +270,14 @@ class Registry:
 
     # -- both ---------------------------------------------------------------------------------------------------
 
-    def heartbeat(self, sender_id: str, now_s: float) -> bool:
-        """Record a heartbeat; False if the sender is unknown (it should register again)."""
+    def heartbeat(self, sender_id: str, now_s: float, stats: FrontendStats | None = None) -> bool:
+        """Record a heartbeat (and a frontend's figures); False if the sender is unknown (it should register
+        again)."""
         frontend = self.frontends.get(sender_id)
         if frontend is not None:
             frontend.last_seen_s = now_s
+            if stats is not None:
+                frontend.stats = stats
             return True
         engine = self.engine_by_id(sender_id)
         if engine is not None:
@@ -316,4 +321,9 @@ class Registry:
             self.engines[r].load or EngineLoad(rank=r, kv_blocks_total=self.engines[r].kv_blocks_total)
             for r in self.ready_ranks()
         ]
-        return LoadSnapshot(loads=loads, wave=wave, engines_running=engines_running, timestamp=now_s)
+        return LoadSnapshot(loads=loads, wave=wave, engines_running=engines_running, timestamp=now_s,
+                            frontends=self.frontend_stats())
+
+    def frontend_stats(self) -> list[FrontendStats]:
+        """Every registered frontend's newest figures (its identity alone until its first heartbeat)."""
+        return [f.stats or FrontendStats(f.frontend_id, f.pid, f.http_addr) for f in self.frontends.values()]

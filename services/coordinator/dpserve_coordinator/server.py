@@ -94,6 +94,7 @@ class Coordinator:
         self._decoder = coordinator_decoder()
         self._stop_requested = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._status_server = None  # --status-port's (status_server.py)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -112,6 +113,7 @@ class Coordinator:
         ]
         code = 0
         try:
+            await self._start_status_server()
             await self._start_ranks()
             await self._stop_requested.wait()
         except (StartupFailed, LaunchError) as e:
@@ -146,6 +148,19 @@ class Coordinator:
         self.pub_addr = f"tcp://{self.settings.data_parallel_address}:{port}"
         log.info("deployment %s: control socket %s, broadcast %s", self.settings.deployment_id,
                  self.settings.control_addr, self.pub_addr)
+
+    async def _start_status_server(self) -> None:
+        if self.settings.status_port is None:
+            return
+        from dpserve_coordinator.status_server import StatusServer  # aiohttp: only with --status-port
+
+        server = StatusServer(self, self.settings.data_parallel_address, self.settings.status_port,
+                              self.settings.api_key)  # fmt: skip
+        try:
+            await server.start()
+        except OSError as e:
+            raise StartupFailed(f"cannot serve the status page on --status-port {self.settings.status_port}: {e}")
+        self._status_server = server
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -237,6 +252,8 @@ class Coordinator:
         except zmq.ZMQError:
             pass
         await self.supervisor.close(_SHUTDOWN_DRAIN_S + 2.0)
+        if self._status_server is not None:
+            await self._status_server.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -269,7 +286,7 @@ class Coordinator:
     def _handle(self, sender: str, msg, now_s: float):
         registry = self.registry
         if isinstance(msg, Heartbeat):
-            registry.heartbeat(msg.sender_id or sender, now_s)
+            registry.heartbeat(msg.sender_id or sender, now_s, msg.stats)
         elif isinstance(msg, EngineStats):
             registry.update_load(sender, msg.load, now_s)
             self._follow_waves()

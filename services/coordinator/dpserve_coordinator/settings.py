@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env, new_deployment_id
+from dpserve_shared.status import API_KEY_ENV
 from dpserve_shared.timing import ENGINE_SILENCE_S, ENGINE_STALL_S, FRONTEND_SILENCE_S
 
 
@@ -31,6 +33,8 @@ class CoordinatorSettings:
     max_engine_restarts: int = 3  # quick deaths in a row before a rank is shown as FAILED (supervisor.py)
     engine_args: tuple[str, ...] = ()  # passed to every `dpserve-engine` command line
     ready_file: str | None = None  # written (with the topology as JSON) once every rank is READY
+    status_port: int | None = None  # the status page's HTTP port (on data_parallel_address); None: none
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # the status page's key; never logged
     # On every control and broadcast message (envelope.py); handed to the engines this coordinator starts.
     deployment_id: str = dataclasses.field(default_factory=new_deployment_id)
 
@@ -68,6 +72,13 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
                              "takes seconds; default: %(default)s)")
 
 
+def add_status_port_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--status-port", type=int, default=None,
+                        help="serve the status page (/status, /status.json, /status/events) from the coordinator "
+                             "on this port of --data-parallel-address; every API server serves it too "
+                             "(default: none)")
+
+
 _DESCRIPTION = """`dpserve-coordinator`: places and starts the engine ranks, keeps the registry, publishes topology and load.
 
 Engine flags (--model, --max-model-len, ...) are checked here and passed to every engine's command line.
@@ -82,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "FAILED (a crash loop); it is still restarted, on a back-off of 1, 2, 4 ... up to 30 s "
                              "(default: %(default)s)")
     parser.add_argument("--ready-file", default=None, help="written once every rank is ready (used by dpserve serve)")
+    add_status_port_flag(parser)
+    parser.add_argument("--api-key", default=None,
+                        help=f"the key the status page asks for (default: ${API_KEY_ENV} if set, else none)")
     parser.add_argument(
         "--deployment-id", default=deployment_id_from_env(),
         help=f"this deployment's id, on every control and broadcast message; peers of another id are ignored "
@@ -120,6 +134,8 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         raise ValueError("--ray-wait-for-nodes-s needs --ray-address (a local Ray instance does not grow)")
     if not 0 < args.data_parallel_rpc_port < 65536:
         raise ValueError(f"--data-parallel-rpc-port must be a TCP port, got {args.data_parallel_rpc_port}")
+    if args.status_port is not None and not 0 < args.status_port < 65536:
+        raise ValueError(f"--status-port must be a TCP port, got {args.status_port}")
     return CoordinatorSettings(
         data_parallel_size=size,
         data_parallel_size_local=size_local,
@@ -134,5 +150,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         max_engine_restarts=args.max_engine_restarts,
         engine_args=engine_argv(args),
         ready_file=args.ready_file,
+        status_port=args.status_port,
+        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
         **({"deployment_id": args.deployment_id} if args.deployment_id else {}),
     )

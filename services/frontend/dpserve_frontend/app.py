@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from dpserve_shared.schema import ModelInfo
+from dpserve_shared.status import StatusInputs, StatusTracker
+from dpserve_shared.status_http import StatusRoutes
 
 from dpserve_frontend import api_admin, api_chat, api_completions, api_misc
 from dpserve_frontend.coordinator_client import CoordinatorClient
@@ -71,7 +73,7 @@ async def _coordinator_ctx(app: web.Application) -> AsyncIterator[None]:
     if settings.coordinator_addr is None:
         yield
         return
-    client = CoordinatorClient(settings, state.apply_topology, state.apply_snapshot)
+    client = CoordinatorClient(settings, state.apply_topology, state.apply_snapshot, stats=state.frontend_stats)
     state.pool.on_start_wave = client.request_start_wave
     app[COORDINATOR_KEY] = client
     try:
@@ -150,4 +152,26 @@ def init_app(settings: FrontendSettings, model_info: ModelInfo | None = None) ->
     app.router.add_get("/metrics", _bind(api_misc.metrics))
     app.router.add_post("/scale_elastic_ep", _bind(api_admin.scale_elastic_ep))
     app.router.add_post("/is_scaling_elastic_ep", _bind(api_admin.is_scaling_elastic_ep))
+    _status_routes(app).add_to(app)
     return app
+
+
+def _status_routes(app: web.Application) -> StatusRoutes:
+    """/status, /status.json, /status/events: the coordinator's view as this API server last heard it."""
+    state = app[STATE_KEY]
+
+    def read() -> StatusInputs:
+        snapshot = state.snapshot
+        client = app.get(COORDINATOR_KEY)
+        heard = None if client is None or client.last_heard_s is None else time.monotonic() - client.last_heard_s
+        return StatusInputs(
+            topology=state.pool.topology,
+            loads=state.engine_loads,
+            wave=snapshot.wave if snapshot is not None else 0,
+            engines_running=snapshot.engines_running if snapshot is not None else False,
+            frontends=list(snapshot.frontends) if snapshot is not None else [state.frontend_stats()],
+            coordinator_last_heard_s=heard,
+        )
+
+    tracker = StatusTracker(f"api-server {state.settings.frontend_id}", read)
+    return StatusRoutes(tracker, state.settings.api_key, closing=lambda: state.is_draining)

@@ -25,6 +25,7 @@ from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
+    FrontendStats,
     Heartbeat,
     LoadSnapshot,
     RegisterAck,
@@ -53,11 +54,13 @@ class CoordinatorClient:
         on_topology: Callable[[Topology], None],
         on_snapshot: Callable[[LoadSnapshot], None],
         context: zmq.asyncio.Context | None = None,
+        stats: Callable[[], FrontendStats] | None = None,
     ):
         assert settings.coordinator_addr is not None
         self._settings = settings
         self._on_topology = on_topology
         self._on_snapshot = on_snapshot
+        self._stats = stats  # this frontend's figures, sent on every heartbeat
         self._context = context or zmq.asyncio.Context.instance()
         self._decoder = from_coordinator_decoder()
         self.guard = DeploymentGuard(settings.deployment_id, log, "coordinator link")
@@ -68,7 +71,8 @@ class CoordinatorClient:
         self._sub: zmq.asyncio.Socket | None = None
         self._pub_addr = ""
         self._tasks: list[asyncio.Task] = []
-        self._last_broadcast_s = time.monotonic()
+        self._last_broadcast_s = time.monotonic()  # also reset by a registration attempt (the silence check)
+        self.last_heard_s: float | None = None  # monotonic time of the last broadcast or ack; None: never
         self._acked = asyncio.Event()
         self.is_registered = False
         # Set by the first broadcast received: from then on no topology change can be missed (a change made
@@ -110,6 +114,7 @@ class CoordinatorClient:
 
     def _handle_ack(self, ack: RegisterAck) -> None:
         self.is_registered = True
+        self.last_heard_s = time.monotonic()
         if ack.pub_addr:
             self._pub_addr = ack.pub_addr  # the broadcast loop (re)connects its SUB
         self._last_broadcast_s = time.monotonic()
@@ -193,7 +198,7 @@ class CoordinatorClient:
                 messages.append(self._open(await sub.recv_multipart()))
             if all(m is None for m in messages):
                 continue  # another deployment's broadcast: not a sign of life of ours
-            self._last_broadcast_s = time.monotonic()
+            self._last_broadcast_s = self.last_heard_s = time.monotonic()
             self.follows_broadcasts.set()
             # A burst of snapshots: only the newest matters.
             snapshots = [m for m in messages if isinstance(m, LoadSnapshot)]
@@ -207,8 +212,9 @@ class CoordinatorClient:
         interval_s = self._settings.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval_s)
+            stats = self._stats() if self._stats is not None else None
             await self._control.send_multipart(
-                frames(self.guard.deployment_id, Heartbeat(self._settings.frontend_id, time.time()))
+                frames(self.guard.deployment_id, Heartbeat(self._settings.frontend_id, time.time(), stats))
             )
             silent_s = time.monotonic() - self._last_broadcast_s
             if silent_s > self._settings.coordinator_silence_s:

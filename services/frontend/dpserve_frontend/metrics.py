@@ -129,6 +129,17 @@ def observe_many(histogram, values: list[float]) -> None:
 
 
 @dataclasses.dataclass(slots=True)
+class Totals:
+    """Cumulative sums over every finished sequence of this process (FrontendStats' counters)."""
+
+    requests_finished: int = 0
+    ttft_sum_s: float = 0.0
+    ttft_count: int = 0
+    tpot_sum_s: float = 0.0
+    tpot_count: int = 0
+
+
+@dataclasses.dataclass(slots=True)
 class _RankSeries:
     """One rank's labelled children, looked up once (`labels()` takes a lock and builds a key every call)."""
 
@@ -178,6 +189,7 @@ class FrontendMetrics:
         self.engine_errors = Counter("dpserve:frontend_engine_errors", "Sequences that ended with an engine error.",
                                      ["engine"], registry=own)
         self.model_name = model_name
+        self.totals = Totals()  # this process's own sums, for the status page (FrontendStats)
         self._by_rank: dict[int, _RankSeries] = {}
         self._http: dict[tuple[str, str], object] = {}
 
@@ -232,10 +244,18 @@ class FrontendMetrics:
         success.inc()
         end_s = last_token_s or time.perf_counter()
         series.e2e.observe(max(0.0, end_s - arrival_s))
+        totals = self.totals
+        totals.requests_finished += 1
         if first_token_s is not None:
-            series.ttft.observe(max(0.0, first_token_s - arrival_s))
+            ttft_s = max(0.0, first_token_s - arrival_s)
+            series.ttft.observe(ttft_s)
+            totals.ttft_sum_s += ttft_s
+            totals.ttft_count += 1
             if num_generation_tokens > 1 and last_token_s is not None:
-                series.tpot.observe((last_token_s - first_token_s) / (num_generation_tokens - 1))
+                tpot_s = (last_token_s - first_token_s) / (num_generation_tokens - 1)
+                series.tpot.observe(tpot_s)
+                totals.tpot_sum_s += tpot_s
+                totals.tpot_count += 1
         if queue_time_s is not None:
             series.queue_time.observe(queue_time_s)
 

@@ -9,10 +9,10 @@ import socket
 import uuid
 
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
+from dpserve_shared.status import API_KEY_ENV
 from dpserve_shared.timing import COORDINATOR_SILENCE_S, HEARTBEAT_INTERVAL_S
 
 ENV_PREFIX = "DPSERVE_"
-API_KEY_ENV = "DPSERVE_API_KEY"
 
 
 @dataclasses.dataclass(frozen=True)

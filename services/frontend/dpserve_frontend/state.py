@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 
 import msgspec
-from dpserve_shared.schema import EngineLoad, EngineState, LoadSnapshot, ModelInfo, Topology
+from dpserve_shared.schema import EngineLoad, EngineState, FrontendStats, LoadSnapshot, ModelInfo, Topology
 
 from dpserve_frontend.engine_pool import EnginePool
 from dpserve_frontend.errors import BadRequest, ModelNotFound, ServiceUnavailable
@@ -85,6 +86,17 @@ class FrontendState:
 
     def _on_engine_load(self, load: EngineLoad) -> None:
         self.engine_loads[load.rank] = load
+
+    def frontend_stats(self) -> FrontendStats:
+        """This API server's figures for the coordinator (and every status page)."""
+        totals = self.metrics.totals
+        settings = self.settings
+        return FrontendStats(
+            settings.frontend_id, os.getpid(), f"{settings.host}:{settings.port}",
+            num_in_flight=self.pool.num_in_flight,
+            requests_finished=totals.requests_finished, ttft_sum_s=totals.ttft_sum_s, ttft_count=totals.ttft_count,
+            tpot_sum_s=totals.tpot_sum_s, tpot_count=totals.tpot_count,
+        )
 
     def health(self) -> tuple[str, list[int], int]:
         """(status, serving ranks, expected size): "ok" when every expected rank serves, "degraded" when only
