@@ -1,10 +1,12 @@
-"""`dpserve serve`: the one-machine composition of the services.
+"""`dpserve serve`: the one-machine composition of the services: its flags, their checks, the children's
+command lines and the signal-driven lifecycle. The children themselves (a local Ray instance for the ray backend,
+one coordinator, `--api-server-count` API servers sharing one HTTP port with SO_REUSEPORT), their start and stop
+order and their restarts are deployment.py's.
 
-It starts one coordinator (which starts Ray, or local processes with `--data-parallel-backend mp`, and the engine
-ranks) and `--api-server-count` frontends sharing one HTTP port (SO_REUSEPORT); waits until every rank is ready
-and /health answers 200; prints the URL; then supervises: if any child exits, everything is shut down and
-`dpserve` exits nonzero. SIGTERM/SIGINT: frontends stop first (they drain in-flight requests), then the
-coordinator (engines, actors, placement groups, Ray). A second signal kills everything at once.
+It waits until every rank is ready and /health answers 200 and prints the URL; a child that exits during
+start-up ends it (exit code 1); once serving, a coordinator or API server that exits is restarted while the
+engines keep serving. SIGTERM/SIGINT: API servers stop first (they drain in-flight requests), then the coordinator
+(engines, actors, placement groups), then Ray. A second signal kills everything at once.
 
 Each child runs in its own process group (a terminal's Ctrl-C reaches only this process, which then stops the
 children in order) and gets SIGTERM if this process dies (PR_SET_PDEATHSIG).
@@ -17,30 +19,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import enum
 import errno
-import json
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 
+from dpserve.deployment import Server, ServeState
+from dpserve.deployment import log as _log
+from dpserve.ray_head import RayHeadError
 from dpserve_coordinator import settings as coordinator_settings
 from dpserve_frontend.settings import FrontendSettings, add_migration_flag, read_chat_template
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
-from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
 from dpserve_shared.status import API_KEY_ENV
 
-_PR_SET_PDEATHSIG = 1
-_FRONTEND_STOP_S = 35.0  # the frontend drains in-flight requests for up to 30 s
-_COORDINATOR_STOP_S = 20.0
 _POLL_S = 0.2
 
 
@@ -170,157 +163,6 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
     return cmd
 
 
-def _child_setup() -> None:
-    """In the child before exec: own process group, and SIGTERM when `dpserve` dies."""
-    os.setpgid(0, 0)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
-def _log(message: str) -> None:
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} dpserve {message}", file=sys.stderr, flush=True)
-
-
-class ServeState(enum.Enum):
-    STARTING = "starting"  # children started, not every one ready yet
-    SERVING = "serving"  # "serving on ..." printed
-    DRAINING = "draining"  # stopping the children in order (frontends first)
-    STOPPED = "stopped"  # every child gone
-
-
-class Server:
-    """The children of `dpserve serve`, their order of start and stop, and the lifecycle around them."""
-
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.state = ServeState.STARTING
-        self.work_dir = tempfile.mkdtemp(prefix="dpserve-")
-        self.ready_file = os.path.join(self.work_dir, "coordinator-ready.json")
-        self.metrics_dir = os.path.join(self.work_dir, "prometheus")
-        os.makedirs(self.metrics_dir)
-        self.coordinator: subprocess.Popen | None = None
-        self.frontends: list[subprocess.Popen] = []
-        self.frontend_ready_files: list[str] = []
-        # On every control and broadcast message of this deployment: its peers ignore any other's (envelope.py).
-        self.deployment_id = deployment_id_from_env() or new_deployment_id()
-        # A local Ray instance's temp dir, made here so that it is removed even if the coordinator dies before it
-        # can remove it (a stop during ray.init, a crash); short, under /tmp: Ray's socket paths have a length limit
-        self.ray_temp_dir: str | None = None
-        if args.data_parallel_backend == "ray" and not args.ray_address and not args.ray_temp_dir:
-            self.ray_temp_dir = tempfile.mkdtemp(prefix="dpray-", dir="/tmp")
-
-    def _spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
-
-    def start(self) -> None:
-        args = argparse.Namespace(**{**vars(self.args), "ray_temp_dir": self.ray_temp_dir or self.args.ray_temp_dir})
-        env = dict(os.environ)
-        env.pop(API_KEY_ENV, None)
-        if self.args.api_key:
-            env[API_KEY_ENV] = self.args.api_key  # not on a command line: `ps` shows those to every user
-        self.coordinator = self._spawn(coordinator_command(args, self.ready_file, self.deployment_id), env)
-        env = dict(env, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
-        self.frontend_ready_files = [
-            os.path.join(self.work_dir, f"frontend-{i}-ready") for i in range(self.args.api_server_count)
-        ]
-        self.frontends = [
-            self._spawn(frontend_command(self.args, path, self.deployment_id, index), env)
-            for index, path in enumerate(self.frontend_ready_files)
-        ]
-
-    def children(self) -> list[tuple[str, subprocess.Popen]]:
-        named = [(f"frontend {i}", p) for i, p in enumerate(self.frontends)]
-        return ([("coordinator", self.coordinator)] if self.coordinator else []) + named
-
-    def dead_child(self) -> tuple[str, int] | None:
-        for name, proc in self.children():
-            if proc.poll() is not None:
-                return name, proc.returncode
-        return None
-
-    def health_url(self) -> str:
-        host = "127.0.0.1" if self.args.host in ("0.0.0.0", "", "::") else self.args.host
-        return f"http://{host}:{self.args.port}"
-
-    def is_healthy(self) -> bool:
-        # Every API server must follow the broadcasts and see every rank: they share the port, so /health alone
-        # answers for whichever one the kernel picked.
-        if not all(os.path.exists(p) for p in [self.ready_file, *self.frontend_ready_files]):
-            return False
-        headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
-        try:
-            request = urllib.request.Request(self.health_url() + "/health", headers=headers)
-            with urllib.request.urlopen(request, timeout=2) as response:
-                body = json.load(response)
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-        # Every frontend that answers must see every rank (200 also means "degraded": some rank missing).
-        return body.get("status", "ok") == "ok" if isinstance(body, dict) else True
-
-    def stop(self, drain: bool = True) -> None:
-        """drain: frontends first (they drain), then the coordinator, SIGKILL whatever outlives its timeout;
-        blocks until every child is gone, and does nothing if a stop is under way or done. Not drain (a second
-        signal): kill at once, without waiting; a stop under way then finishes quickly."""
-        if not drain:
-            self._kill_now()
-            return
-        if self.state in (ServeState.DRAINING, ServeState.STOPPED):
-            return
-        self.state = ServeState.DRAINING
-        _stop_all(self.frontends, _FRONTEND_STOP_S)
-        if self.coordinator is not None:
-            _stop_all([self.coordinator], _COORDINATOR_STOP_S)
-        for _, proc in self.children():
-            _kill_leftovers(proc)
-        shutil.rmtree(self.work_dir, ignore_errors=True)
-        if self.ray_temp_dir:
-            shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
-        self.state = ServeState.STOPPED
-
-    def _kill_now(self) -> None:
-        """The coordinator gets a second SIGTERM (it kills its engines and Ray), the rest SIGKILL."""
-        for name, proc in self.children():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM if name == "coordinator" else signal.SIGKILL)
-                    if name == "coordinator":
-                        os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-
-
-def _kill_leftovers(proc: subprocess.Popen) -> None:
-    """Each child leads a process group of its own; whatever is left in it once the child exited (Ray's agents when
-    the coordinator died without its teardown) is killed."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _log(f"pid {proc.pid} did not stop within {timeout_s:.0f} s: killing its process group")
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    for proc in procs:
-        # -SIGTERM: our own SIGTERM reached it before it had set its handlers (it was still starting)
-        if proc.returncode not in (0, None, -signal.SIGTERM):
-            _log(f"pid {proc.pid} exited with code {proc.returncode}")
-
-
 class _Lifecycle:
     """Runs a Server: its signal handlers only set an asyncio Event (or, the second time, kill at once); the loop
     runs until the Event is set or a child exits, then stops the children in a thread, so that a second signal is
@@ -347,11 +189,15 @@ class _Lifecycle:
         server = self.server
         code = 0
         try:
-            server.start()
+            try:
+                await asyncio.to_thread(server.start, self.stop_requested.is_set)
+            except RayHeadError as e:
+                _log(str(e))
+                return 1
             while not self.stop_requested.is_set():
-                dead = server.dead_child()
-                if dead is not None:
-                    _log(f"{dead[0]} exited with code {dead[1]}; shutting down")
+                fatal = server.supervise()
+                if fatal is not None:
+                    _log(f"{fatal}; shutting down")
                     code = 1
                     break
                 if server.state is ServeState.STARTING and await asyncio.to_thread(server.is_healthy):
@@ -369,7 +215,7 @@ class _Lifecycle:
 
 def serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    server = Server(args)
+    server = Server(args, coordinator_command, frontend_command)
     _log(
         f"starting: model {args.model or 'smollm2'}{' (null engine)' if args.null_engine else ''}, "
         f"DP={args.data_parallel_size} on {args.data_parallel_backend}, {args.api_server_count} API server(s) on "

@@ -105,7 +105,7 @@ def test_named_actors_and_groups_while_running_and_none_after(ray_cluster, tmp_p
         engine_pids = [e["pid"] for e in ready["engines"]]
 
         state = _cluster_state(address, env)
-        names = sorted(a["name"] for a in state["actors"] if a["namespace"] == "dpserve")
+        names = sorted(a["name"] for a in state["actors"] if a["namespace"].startswith("dpserve-"))
         assert names == ["dpserve-engine-0", "dpserve-engine-1"]
         groups = sorted((g for g in state["groups"] if g["name"].startswith("dpserve-rank-")), key=lambda g: g["name"])
         assert [(g["name"], g["state"]) for g in groups] == [
@@ -126,7 +126,7 @@ def test_named_actors_and_groups_while_running_and_none_after(ray_cluster, tmp_p
     assert proc.returncode == 0, output[-4000:]
     assert "placement groups released" in output
     state = _cluster_state(address, env)
-    assert not [a for a in state["actors"] if a["namespace"] == "dpserve"], state
+    assert not [a for a in state["actors"] if a["namespace"].startswith("dpserve-")], state
     assert all(g["state"] == "REMOVED" for g in state["groups"] if g["name"].startswith("dpserve-rank-")), state
     deadline = time.monotonic() + 10
     while any(os.path.exists(f"/proc/{pid}") for pid in engine_pids):
@@ -144,5 +144,43 @@ def test_impossible_layout_fails_at_once_naming_the_missing_resources(ray_cluste
     assert proc.returncode == 1, output[-4000:]
     assert "ranks [1] do not fit on the non-head Ray nodes" in output  # planned, not a placement-group timeout
     state = _cluster_state(address, env)
-    assert not [a for a in state["actors"] if a["namespace"] == "dpserve"]
+    assert not [a for a in state["actors"] if a["namespace"].startswith("dpserve-")]
     assert all(g["state"] == "REMOVED" for g in state["groups"] if g["name"].startswith("dpserve-rank-"))
+
+
+def _wait_ready_file(proc: subprocess.Popen, ready_file: str, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(ready_file):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "coordinator not ready"
+        time.sleep(0.2)
+    with open(ready_file) as f:
+        return json.load(f)
+
+
+def test_a_coordinator_started_again_by_hand_adopts_the_engine_actors_it_left(ray_cluster, tmp_path):
+    """SIGKILL leaves the detached actors, their groups and engines running; the same command line again (the same
+    --deployment-id and control port) finds them by name and waits for their engines to register: same pids."""
+    address, env = ray_cluster
+    args = ("--data-parallel-size", "2", "--deployment-id", f"dep-{secrets.token_hex(6)}",
+            "--data-parallel-rpc-port", str(free_port()))  # fmt: skip
+    first = _coordinator(address, env, *args, ready_file=str(tmp_path / "ready-1.json"))
+    second = None
+    try:
+        pids = {e["rank"]: e["pid"] for e in _wait_ready_file(first, str(tmp_path / "ready-1.json"))["engines"]}
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        second = _coordinator(address, env, *args, ready_file=str(tmp_path / "ready-2.json"))
+        ready = _wait_ready_file(second, str(tmp_path / "ready-2.json"))
+        assert {e["rank"]: e["pid"] for e in ready["engines"]} == pids
+        assert all(e["state"] == "ready" for e in ready["engines"])
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        output = second.communicate(timeout=60)[0] if second is not None else ""
+    assert "adopted actor dpserve-engine-0" in output and "re-attached 2 rank(s) [0, 1]" in output, output[-4000:]
+    assert second.returncode == 0, output[-4000:]
+    state = _cluster_state(address, env)
+    assert not [a for a in state["actors"] if a["namespace"].startswith("dpserve-")], state
+    assert all(g["state"] == "REMOVED" for g in state["groups"] if g["name"].startswith("dpserve-rank-")), state

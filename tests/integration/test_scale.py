@@ -309,7 +309,7 @@ def _start_serve_on_cluster(address: str, env: dict, log_path: str, size: int = 
 def _dpserve_state(address: str, env: dict) -> tuple[list[str], dict[str, list[str]]]:
     """(our actor names, placement group name -> states of every group ever created with that name)."""
     state = _cluster_state(address, env)
-    actors = sorted(a["name"] for a in state["actors"] if a["namespace"] == "dpserve")
+    actors = sorted(a["name"] for a in state["actors"] if a["namespace"].startswith("dpserve-"))
     groups: dict[str, list[str]] = {}
     for group in state["groups"]:
         if group["name"].startswith("dpserve-rank-"):
@@ -371,8 +371,10 @@ def test_local_ray_instance_has_room_to_scale_up(serve_factory):
 def _ray_kill(address: str, env: dict, actor: str) -> None:
     code = textwrap.dedent(f"""
         import ray
-        ray.init(address={address!r}, namespace="dpserve", logging_level="ERROR", log_to_driver=False)
-        ray.kill(ray.get_actor({actor!r}))
+        ray.init(address={address!r}, logging_level="ERROR", log_to_driver=False)
+        found = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == {actor!r}]
+        assert len(found) == 1, found  # one deployment on the cluster: its namespace is dpserve-<deployment id>
+        ray.kill(ray.get_actor({actor!r}, namespace=found[0]["namespace"]))
     """)
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, RAY_AUTH_MODE="token"), capture_output=True,
                          text=True, timeout=120)  # fmt: skip

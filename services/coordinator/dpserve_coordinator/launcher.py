@@ -15,10 +15,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from dpserve_coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
+
+WATCH_PID_ENV = "DPSERVE_WATCH_PID"  # `dpserve serve` sets it: the engines' own settings read it (engine settings.py)
 
 
 class LaunchError(Exception):
@@ -73,13 +76,61 @@ class EngineLauncher(abc.ABC):
     def describe(self, rank: int) -> str:
         return ""
 
+    def adopt(self, rank: int, pid: int) -> bool:
+        """Supervise an engine that a coordinator before this one started (it registered again): True if this
+        launcher can; a launcher that found its engines itself (Ray: `adopted`) ignores it."""
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class _AdoptedProcess:
+    """An engine process this coordinator did not start (not its child): watched and signalled by pid."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not pid_alive(self.pid):
+            self.returncode = -1  # not our child: its exit code is its parent's to read
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
 
 class MpLauncher(EngineLauncher):
-    """Engines as local child processes (single node, no Ray)."""
+    """Engines as local child processes (single node, no Ray).
+
+    Under `dpserve serve` ($DPSERVE_WATCH_PID set to its pid) each engine runs in a session of its own and watches
+    `dpserve serve`, not this coordinator: it outlives a coordinator that dies, registers again with the next one,
+    which adopts it (`adopt`)."""
 
     def __init__(self, settings: CoordinatorSettings):
         self._settings = settings
-        self._procs: dict[int, subprocess.Popen] = {}
+        self._procs: dict[int, subprocess.Popen | _AdoptedProcess] = {}
         # Like Ray's 1-CPU bundles: split the cores between the local engines unless told otherwise.
         num_threads = max(1, (os.cpu_count() or 1) // max(1, settings.data_parallel_size))
         self._env = dict(os.environ)
@@ -87,13 +138,24 @@ class MpLauncher(EngineLauncher):
 
     async def start(self, rank: int) -> None:
         cmd = engine_command(self._settings, rank, self._settings.data_parallel_address)
-        self._procs[rank] = subprocess.Popen(cmd, env=self._env, stdin=subprocess.DEVNULL)
+        outlives_coordinator = bool(self._env.get(WATCH_PID_ENV))  # not in this process group: killed with it
+        self._procs[rank] = subprocess.Popen(cmd, env=self._env, stdin=subprocess.DEVNULL,
+                                             start_new_session=outlives_coordinator)  # fmt: skip
         log.info("rank %d: started engine process pid %d", rank, self._procs[rank].pid)
+
+    def adopt(self, rank: int, pid: int) -> bool:
+        if not self._env.get(WATCH_PID_ENV) or not pid_alive(pid):
+            return False
+        self._procs[rank] = _AdoptedProcess(pid)
+        log.info("rank %d: adopted engine process pid %d", rank, pid)
+        return True
 
     async def wait_exit(self, rank: int) -> str:
         proc = self._procs[rank]
         while proc.poll() is None:
             await asyncio.sleep(0.2)
+        if isinstance(proc, _AdoptedProcess):
+            return f"engine process {proc.pid} exited"
         return f"engine process {proc.pid} exited with code {proc.returncode}"
 
     def describe(self, rank: int) -> str:

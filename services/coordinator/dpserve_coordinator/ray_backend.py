@@ -6,6 +6,13 @@ CUDA_VISIBLE_DEVICES set from the GPU Ray assigned to the rank's device bundle),
 `wait()` resolves when the process exits. The engine then registers over ZMQ exactly as under the mp backend.
 
 Engine processes notice a dead actor through their parent pid, so killing the actors is enough to stop them.
+
+Actors and placement groups are detached and named (`dpserve-engine-<rank>`, `dpserve-rank-<rank>`) in the
+deployment's namespace (`dpserve-<deployment id>`): they outlive a coordinator that dies, and the next coordinator
+of the deployment (same --deployment-id, the same Ray cluster) finds them with `adopt()` and supervises them
+again, their engines untouched. That needs a Ray that outlives the coordinator: `dpserve serve` starts the local
+instance itself (`ray start --head --block`) and passes its address; a coordinator that starts Ray in-process
+(no --ray-address) takes it down with it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -35,17 +43,17 @@ from dpserve_coordinator.placement import (
     ACTOR_BUNDLE,
     DEVICE_BUNDLE,
     PlacementError,
+    RankPlacement,
     nodes_from_ray,
     plan_added_rank,
     plan_placement,
 )
-from dpserve_coordinator.settings import CoordinatorSettings
+from dpserve_coordinator.settings import CoordinatorSettings, local_ray_num_cpus
 
 log = logging.getLogger(__name__)
 
-RAY_NAMESPACE = "dpserve"
+RAY_NAMESPACE_PREFIX = "dpserve-"
 _PLACEMENT_TIMEOUT_S = 30.0
-LOCAL_RAY_MAX_RANKS = 8  # ranks a local Ray instance has room for (more if started with more)
 
 
 class _QuietRay(logging.Filter):
@@ -79,6 +87,17 @@ def actor_name(rank: int) -> str:
     return f"dpserve-engine-{rank}"
 
 
+def group_name(rank: int) -> str:
+    return f"dpserve-rank-{rank}"
+
+
+def namespace(deployment_id: str) -> str:
+    return RAY_NAMESPACE_PREFIX + deployment_id
+
+
+_ACTOR_NAME = re.compile(r"dpserve-engine-(\d+)")
+
+
 @ray.remote(num_cpus=1, max_restarts=0)
 class EngineHost:
     """Runs one engine process on this node and reports when it exits."""
@@ -89,6 +108,11 @@ class EngineHost:
 
     async def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
+
+    async def describe(self) -> tuple[int, bool, str]:
+        """(the engine's pid, whether it is alive, this node's IP): what a new coordinator adopts."""
+        alive = self.proc is not None and self.proc.poll() is None
+        return (self.proc.pid if self.proc is not None else 0), alive, ray.util.get_node_ip_address()
 
     async def start(self, cmd: list[str], env_overrides: dict[str, str], bind_node_ip: bool) -> int:
         if bind_node_ip:  # ranks off the head node listen on their node's address
@@ -158,6 +182,8 @@ class RayLauncher(EngineLauncher):
         self._actors: dict[int, object] = {}
         self._placements = {}
         self._closed = False
+        self._namespace = namespace(settings.deployment_id)
+        self.adopted: dict[int, int] = {}  # rank -> engine pid of the hosts found by connect()
 
     # -- set-up -------------------------------------------------------------------------------------------------
 
@@ -174,7 +200,7 @@ class RayLauncher(EngineLauncher):
         _quiet_ray_logs()
         if self._settings.ray_address:
             try:
-                ray.init(address=self._settings.ray_address, namespace=RAY_NAMESPACE, log_to_driver=True)
+                ray.init(address=self._settings.ray_address, namespace=self._namespace, log_to_driver=True)
             except ConnectionError as e:
                 raise LaunchError(
                     f"cannot connect to the Ray cluster at --ray-address {self._settings.ray_address}: {e} "
@@ -185,13 +211,11 @@ class RayLauncher(EngineLauncher):
             self._temp_dir = self._settings.ray_temp_dir or tempfile.mkdtemp(prefix="dpray-", dir="/tmp")
             os.makedirs(self._temp_dir, exist_ok=True)
             ray.init(
-                # Logical CPUs (2 per rank) for growth: `dpserve scale` may add ranks up to
-                # LOCAL_RAY_MAX_RANKS. Ray prestarts workers by real cores, so the headroom costs nothing.
-                num_cpus=2 * max(self._settings.data_parallel_size_local, LOCAL_RAY_MAX_RANKS) + 1,
+                num_cpus=local_ray_num_cpus(self._settings.data_parallel_size_local),
                 include_dashboard=False,
                 _temp_dir=self._temp_dir,
                 object_store_memory=100 * 1024 * 1024,
-                namespace=RAY_NAMESPACE,
+                namespace=self._namespace,
                 log_to_driver=True,
             )
             self._started_ray = True
@@ -201,6 +225,7 @@ class RayLauncher(EngineLauncher):
             time.monotonic() - started,
             self._settings.ray_address or f"local instance, temp dir {self._temp_dir}",
         )
+        self.adopted = self._adopt()
         self._plan_when_nodes_fit()
 
     def _plan_when_nodes_fit(self) -> None:
@@ -245,6 +270,8 @@ class RayLauncher(EngineLauncher):
                  p.bundles)
 
     def _plan(self) -> None:
+        if self.adopted:
+            return  # a restarted coordinator: the adopted ranks keep their groups; any other is planned when started
         nodes, head_ip = self._free_nodes()
         try:
             plan = plan_placement(
@@ -257,9 +284,38 @@ class RayLauncher(EngineLauncher):
             head = " (head)" if p.is_on_head else ""
             log.info("rank %d: placement on %s%s, bundles %s", p.rank, p.node_ip, head, p.bundles)
 
+    def _adopt(self) -> dict[int, int]:
+        """The engine hosts this deployment's namespace still has (a coordinator before this one started them):
+        rank -> engine pid. A host whose engine is gone, or that does not answer, is removed with its group."""
+        adopted: dict[int, int] = {}
+        head_ip = self._free_nodes()[1]
+        for name in ray.util.list_named_actors():
+            match = _ACTOR_NAME.fullmatch(name)
+            if match is None:
+                continue
+            rank = int(match.group(1))
+            actor = ray.get_actor(name)
+            try:
+                group = ray.util.get_placement_group(group_name(rank))
+                pid, alive, node_ip = ray.get(actor.describe.remote(), timeout=10)
+            except Exception as e:  # noqa: BLE001 - a missing group, a dead or silent host: start the rank anew
+                log.warning("rank %d: found actor %s but cannot adopt it (%s): removing it", rank, name, e)
+                pid, alive, group = 0, False, None
+            if not alive:
+                ray.kill(actor)
+                if group is not None:
+                    remove_placement_group(group)
+                continue
+            bundles = tuple(dict(b) for b in group.bundle_specs)
+            self._actors[rank], self._groups[rank] = actor, group
+            self._placements[rank] = RankPlacement(rank, node_ip, node_ip == head_ip, bundles)
+            adopted[rank] = pid
+            log.info("rank %d: adopted actor %s (engine pid %d on %s)", rank, name, pid, node_ip)
+        return adopted
+
     async def _reserve(self, rank: int):
         p = self._placements[rank]
-        group = placement_group(list(p.bundles), strategy="STRICT_PACK", name=f"dpserve-rank-{rank}")
+        group = placement_group(list(p.bundles), strategy="STRICT_PACK", name=group_name(rank), lifetime="detached")
         try:
             await asyncio.wait_for(asyncio.wrap_future(group.ready().future()), _PLACEMENT_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -291,6 +347,7 @@ class RayLauncher(EngineLauncher):
             env["CUDA_VISIBLE_DEVICES"] = await asyncio.wrap_future(gpu_task.future())
         actor = EngineHost.options(
             name=actor_name(rank),
+            lifetime="detached",  # outlives this coordinator: the next one adopts it (_adopt)
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=ACTOR_BUNDLE),
         ).remote(rank)
         self._actors[rank] = actor
@@ -336,7 +393,7 @@ class RayLauncher(EngineLauncher):
         if group is not None:
             remove_placement_group(group)
         if actor is not None or group is not None:
-            log.info("rank %d: actor %s killed, placement group dpserve-rank-%d removed", rank, actor_name(rank), rank)
+            log.info("rank %d: actor %s killed, placement group %s removed", rank, actor_name(rank), group_name(rank))
 
     async def close(self, timeout_s: float) -> None:
         if self._closed:

@@ -18,6 +18,7 @@ unregisters is dropped, and the server broadcasts FrontendGone so that engines a
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from dpserve_shared.codec import ProtocolMismatch, check_protocol
 from dpserve_shared.schema import (
@@ -39,7 +40,7 @@ def death_kind(reason: str) -> str:
     missed_heartbeats, stuck, unregistered, other."""
     if "exited with code -" in reason:
         return "killed"
-    if "exited with code" in reason:
+    if "exited" in reason:  # with its code, or an adopted engine's (not our child: no code)
         return "exited"
     for kind, marker in (("missed_heartbeats", "missed heartbeats"), ("stuck", "stuck"), ("actor_died", "actor"),
                          ("unregistered", "unregister")):  # fmt: skip
@@ -104,7 +105,9 @@ class Registry:
         self.engines: dict[int, EngineEntry] = {}
         self.frontends: dict[str, FrontendEntry] = {}
         self.model: ModelInfo | None = None
-        self.epoch = 0
+        # Epochs grow across coordinator restarts too (frontends ignore a topology older than the newest they
+        # applied): a new registry starts from the wall clock in ms, past any epoch of the coordinator before it.
+        self.epoch = time.time_ns() // 1_000_000
         self.load_version = 0  # grows whenever any engine's load changes
         self.retiring: set[int] = set()  # ranks a scale-down is removing
 

@@ -60,6 +60,8 @@ _KILL_NOW_S = 3.0  # a second signal: this long to kill the engines, then the pr
 
 
 _UNBOUND_MESSAGES = (RegisterEngine, RegisterFrontend, ScaleRequest)
+# Engines of an earlier coordinator register again within COORDINATOR_SILENCE_S (5 s) of its last broadcast.
+_REATTACH_WAIT_S = 20.0
 
 
 class StartupFailed(Exception):
@@ -95,6 +97,10 @@ class Coordinator:
         self._stop_requested = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._status_server = None  # --status-port's (status_server.py)
+        # Re-attaching to the engines of a coordinator before this one: nothing is published and no frontend is
+        # answered until they registered again (a topology with their ranks STARTING would make the frontends drop
+        # ranks that serve); frontends meanwhile route on the topology they have.
+        self._is_reattaching = False
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -189,12 +195,15 @@ class Coordinator:
         await self.supervisor.connect()
         self._install_signal_handlers()  # again: ray.init installs its own SIGTERM handler
         ranks = list(range(settings.data_parallel_size))
+        adopted = await self._reattach(ranks)
         for rank in ranks:
-            self.registry.engine_starting(rank)
+            if rank not in adopted:
+                self.registry.engine_starting(rank)
         for rank in ranks:
             if self.state is not CoordinatorState.STARTING:
                 return  # a stop came during ray.init or an earlier rank's launch: start nothing more
-            await self.supervisor.start(rank)
+            if rank not in adopted:
+                await self.supervisor.start(rank)
         deadline = started + settings.engine_startup_timeout_s
         missing = await self._unless_stopped(self.supervisor.wait_ready(ranks, deadline, fail_fast=True))
         if missing is None or self.state is not CoordinatorState.STARTING:
@@ -211,6 +220,38 @@ class Coordinator:
         self._write_ready_file()
         self.state = CoordinatorState.SERVING
         self.scaler.open()
+
+    async def _reattach(self, ranks: list[int]) -> set[int]:
+        """The ranks whose engines outlived a coordinator before this one, watched again: the ray backend's named
+        actors (found by the launcher), and, with --reattach-wait-s, the engines that register again by themselves
+        (mp, under `dpserve serve`). Nothing is published meanwhile."""
+        found = self.supervisor.adopt_found()
+        wait_s = self.settings.reattach_wait_s or (_REATTACH_WAIT_S if found else 0.0)
+        if wait_s <= 0:
+            return set()
+        started = time.monotonic()
+        expected = set(found) or set(ranks)
+        log.info("re-attaching: %s; waiting up to %.0f s for their engines to register again",
+                 f"engine actors of ranks {sorted(found)} found" if found else "engines left running",
+                 wait_s)  # fmt: skip
+        self._is_reattaching = True
+        try:
+            while time.monotonic() - started < wait_s and self.state is CoordinatorState.STARTING:
+                if expected <= set(self.registry.ready_ranks()):
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            self._is_reattaching = False
+        registered = self.registry.ready_ranks()
+        for rank in registered:
+            self.supervisor.adopt_registered(rank)
+        if registered and max(registered) + 1 > self.registry.data_parallel_size:  # it had been scaled up
+            self.registry.set_target(max(registered) + 1)
+        adopted = set(found) | set(registered)
+        log.info("re-attached %d rank(s) %s in %.1f s%s", len(registered), registered, time.monotonic() - started,
+                 f"; still waiting for {sorted(set(found) - set(registered))}" if set(found) - set(registered)
+                 else "")  # fmt: skip
+        return adopted
 
     async def _unless_stopped(self, coro):
         """Await `coro` unless a stop is requested first (then it is cancelled and None returned)."""
@@ -299,6 +340,8 @@ class Coordinator:
             log.info("engine %s registered as rank %d at %s (pid %d)", msg.engine_id, rank, msg.input_addr, msg.pid)
             return RegisterAck(accepted=True, rank=rank, pub_addr=self.pub_addr, topology=registry.topology())
         elif isinstance(msg, RegisterFrontend):
+            if self._is_reattaching:
+                return None  # it asks again; until then it routes on the topology it has
             is_new = msg.frontend_id not in registry.frontends
             try:
                 registry.register_frontend(msg, now_s)
@@ -356,6 +399,9 @@ class Coordinator:
                 log.error("rank %d: DEAD (%s)", rank, self.registry.engines[rank].dead_reason)
                 if self.supervisor.is_watching(rank):  # silent or stuck, its process still there: kill, replace
                     self._tasks.append(asyncio.create_task(self.supervisor.kill(rank), name=f"kill-{rank}"))
+            if self._is_reattaching:
+                await asyncio.sleep(0.02)
+                continue
             if self.registry.epoch != published_epoch or now - last_topology >= TOPOLOGY_REPUBLISH_S:
                 self._publish(self.registry.topology())
                 published_epoch = self.registry.epoch

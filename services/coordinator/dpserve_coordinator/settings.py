@@ -16,6 +16,16 @@ from dpserve_shared.status import API_KEY_ENV
 from dpserve_shared.timing import ENGINE_SILENCE_S, ENGINE_STALL_S, FRONTEND_SILENCE_S
 
 
+LOCAL_RAY_MAX_RANKS = 8  # ranks a local Ray instance has room for (more if started with more)
+
+
+def local_ray_num_cpus(data_parallel_size_local: int) -> int:
+    """Logical CPUs of a local Ray instance: 2 per rank (an engine bundle and its actor) for up to
+    LOCAL_RAY_MAX_RANKS ranks, so that `dpserve scale` can add ranks; Ray prestarts workers by real cores, so the
+    headroom costs nothing."""
+    return 2 * max(data_parallel_size_local, LOCAL_RAY_MAX_RANKS) + 1
+
+
 @dataclasses.dataclass(frozen=True)
 class CoordinatorSettings:
     data_parallel_size: int = 1
@@ -33,6 +43,7 @@ class CoordinatorSettings:
     max_engine_restarts: int = 3  # quick deaths in a row before a rank is shown as FAILED (supervisor.py)
     engine_args: tuple[str, ...] = ()  # passed to every `dpserve-engine` command line
     ready_file: str | None = None  # written (with the topology as JSON) once every rank is READY
+    reattach_wait_s: float = 0.0  # how long to wait for the engines of a coordinator before this one to register
     status_port: int | None = None  # the status page's HTTP port (on data_parallel_address); None: none
     api_key: str | None = dataclasses.field(default=None, repr=False)  # the status page's key; never logged
     # On every control and broadcast message (envelope.py); handed to the engines this coordinator starts.
@@ -93,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "FAILED (a crash loop); it is still restarted, on a back-off of 1, 2, 4 ... up to 30 s "
                              "(default: %(default)s)")
     parser.add_argument("--ready-file", default=None, help="written once every rank is ready (used by dpserve serve)")
+    parser.add_argument("--reattach-wait-s", type=float, default=0.0,
+                        help="a coordinator restarted for a running deployment: wait this long for the engines it "
+                             "left running to register again before starting any rank anew (the ray backend "
+                             "finds its engine actors by name and waits for them anyway; `dpserve serve` sets it "
+                             "when it restarts a coordinator; default: %(default)s)")
     add_status_port_flag(parser)
     parser.add_argument("--api-key", default=None,
                         help=f"the key the status page asks for (default: ${API_KEY_ENV} if set, else none)")
@@ -151,6 +167,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         engine_args=engine_argv(args),
         ready_file=args.ready_file,
         status_port=args.status_port,
+        reattach_wait_s=args.reattach_wait_s,
         api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
         **({"deployment_id": args.deployment_id} if args.deployment_id else {}),
     )

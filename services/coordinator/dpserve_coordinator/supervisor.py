@@ -80,12 +80,37 @@ class RankSupervisor:
         if connect is not None:
             await asyncio.to_thread(connect)
 
+    # -- ranks a coordinator before this one started -------------------------------------------------------------
+
+    def adopt_found(self) -> list[int]:
+        """The ranks whose engines the launcher found running (Ray: the deployment's named actors): listed as
+        STARTING until their engines register again, and watched like the ranks this coordinator starts."""
+        found = sorted(getattr(self._launcher, "adopted", {}))
+        for rank in found:
+            entry = self._registry.engines.get(rank)
+            if entry is None or entry.state != EngineState.READY:  # not registered again yet
+                self._registry.engine_starting(rank)
+            self._watch_rank(rank)
+        return found
+
+    def adopt_registered(self, rank: int) -> bool:
+        """A READY rank that registered by itself (its engine outlived the coordinator before this one): watch its
+        process if the launcher can (mp: by pid); False if it cannot (then it is watched by its heartbeats only)."""
+        entry = self._registry.engines.get(rank)
+        if rank in self._watchers or entry is None or not self._launcher.adopt(rank, entry.pid):
+            return rank in self._watchers
+        self._watch_rank(rank)
+        return True
+
     # -- one rank -----------------------------------------------------------------------------------------------
 
     async def start(self, rank: int) -> None:
         """Launch the rank's engine (it registers by itself) and watch its process. Raises what the launcher
         raises (LaunchError, or Ray's own errors)."""
         await self._launcher.start(rank)
+        self._watch_rank(rank)
+
+    def _watch_rank(self, rank: int) -> None:
         self._watchers[rank] = asyncio.create_task(self._watch(rank), name=f"supervise-{rank}")
 
     async def stop(self, rank: int, timeout_s: float) -> None:

@@ -76,7 +76,7 @@ class EngineService:
         self.ctx = zmq.Context()
         self.frontends = FrontendLink(self.ctx, settings)
         self.coordinator = CoordinatorLink(self.ctx, settings)
-        self._parent_pid = os.getppid()
+        self._parent_pid = settings.watch_pid or os.getppid()
         self._num_failed_steps = 0
 
     @property
@@ -258,7 +258,15 @@ class EngineService:
         return load
 
     def _parent_died(self) -> bool:
-        return os.getppid() != self._parent_pid
+        if self.settings.watch_pid is None:
+            return os.getppid() != self._parent_pid  # re-parented: the parent is gone
+        try:
+            os.kill(self._parent_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # alive, another user's
+        return False
 
     def close(self) -> None:
         self.coordinator.close()

@@ -29,6 +29,17 @@ from dpserve_engine.model_files import DEFAULT_MODEL, is_gguf
 
 CACHE_DIR_ENV = "DPSERVE_CACHE_DIR"
 ENFORCE_EAGER_ENV = "DPSERVE_ENFORCE_EAGER"
+WATCH_PID_ENV = "DPSERVE_WATCH_PID"  # set by the mp launcher: the process whose death ends this engine
+
+
+def _watch_pid_from_env() -> int | None:
+    value = os.environ.get(WATCH_PID_ENV, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${WATCH_PID_ENV} must be a process id, got {value!r}") from None
 
 
 def _cache_dir_from_env() -> str:
@@ -96,6 +107,9 @@ class ServiceSettings:
     drain_timeout_s: float = ENGINE_DRAIN_S
     adaptive_threads: bool = False  # threads.py: share the node's cores among the ranks that have work
     deployment_id: str = ""  # "": adopt the id of the coordinator that accepts this engine (envelope.py)
+    # The process whose exit ends this engine: `dpserve serve` under the mp backend (so that the engine outlives a
+    # restarted coordinator); None: the parent process (an EngineHost actor, or whoever started it by hand).
+    watch_pid: int | None = None
 
 
 def export_inductor_cache_dir(config: EngineConfig) -> None:
@@ -153,5 +167,6 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         register_timeout_s=args.register_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
         deployment_id=args.deployment_id,
+        watch_pid=_watch_pid_from_env(),
         adaptive_threads=args.num_threads is None and not args.null_engine and args.device in (None, "cpu"),
     )
