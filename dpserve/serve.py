@@ -3,8 +3,9 @@
 It starts one coordinator (which starts Ray, or local processes with `--data-parallel-backend mp`, and the engine
 ranks) and `--api-server-count` frontends sharing one HTTP port (SO_REUSEPORT); waits until every rank is ready
 and /health answers 200; prints the URL; then supervises: if any child exits, everything is shut down and
-`dpserve` exits nonzero. SIGTERM/SIGINT: frontends stop first (they drain in-flight requests), then the
-coordinator (engines, actors, placement groups, Ray). A second signal kills everything at once.
+`dpserve` exits nonzero. SIGTERM/SIGINT: frontends stop first (/health answers 503 while in-flight requests may
+finish for up to --shutdown-timeout), then the coordinator (engines, actors, placement groups, Ray). A second
+signal kills everything at once.
 
 Each child runs in its own process group (a terminal's Ctrl-C reaches only this process, which then stops the
 children in order) and gets SIGTERM if this process dies (PR_SET_PDEATHSIG).
@@ -33,13 +34,19 @@ import urllib.error
 import urllib.request
 
 from dpserve_coordinator import settings as coordinator_settings
-from dpserve_frontend.settings import FrontendSettings, add_migration_flag, read_chat_template
+from dpserve_frontend.settings import (
+    FrontendSettings,
+    add_admission_flags,
+    add_migration_flag,
+    add_shutdown_timeout_flag,
+    read_chat_template,
+)
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
 from dpserve_shared.status import API_KEY_ENV
 
 _PR_SET_PDEATHSIG = 1
-_FRONTEND_STOP_S = 35.0  # the frontend drains in-flight requests for up to 30 s
+_FRONTEND_STOP_GRACE_S = 10.0  # a frontend drains for up to --shutdown-timeout, then ends what is left, unregisters
 _COORDINATOR_STOP_S = 20.0
 _POLL_S = 0.2
 
@@ -69,6 +76,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
     add_migration_flag(parser)
+    add_admission_flags(parser)
+    add_shutdown_timeout_flag(parser)
     add_engine_flags(parser)
 
 
@@ -161,6 +170,12 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         cmd += ["--migration-limit", str(args.migration_limit)]
     if args.chat_template:
         cmd += ["--chat-template", args.chat_template]
+    if args.max_num_queued_requests is not None:
+        cmd += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
+    if args.max_num_queued_tokens is not None:
+        cmd += ["--max-num-queued-tokens", str(args.max_num_queued_tokens)]
+    if args.shutdown_timeout != FrontendSettings.shutdown_timeout_s:
+        cmd += ["--shutdown-timeout", str(args.shutdown_timeout)]
     if ready_file:
         cmd += ["--ready-file", ready_file]
     if deployment_id:
@@ -269,7 +284,7 @@ class Server:
         if self.state in (ServeState.DRAINING, ServeState.STOPPED):
             return
         self.state = ServeState.DRAINING
-        _stop_all(self.frontends, _FRONTEND_STOP_S)
+        _stop_all(self.frontends, self.args.shutdown_timeout + _FRONTEND_STOP_GRACE_S)
         if self.coordinator is not None:
             _stop_all([self.coordinator], _COORDINATOR_STOP_S)
         for _, proc in self.children():
