@@ -39,7 +39,7 @@ from dpserve_shared.status import API_KEY_ENV
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-_FRONTEND_STOP_S = 35.0  # the frontend drains in-flight requests for up to 30 s
+_FRONTEND_STOP_GRACE_S = 10.0  # a frontend drains for up to --shutdown-timeout, then ends what is left, unregisters
 _COORDINATOR_STOP_S = 20.0
 RESTART_DELAY_S = 1.0
 MAX_RESTART_DELAY_S = 30.0
@@ -239,7 +239,8 @@ class Server:
         if self.state in (ServeState.DRAINING, ServeState.STOPPED):
             return
         self.state = ServeState.DRAINING
-        _stop_all([f.proc for f in self.frontends if f.proc is not None], _FRONTEND_STOP_S)
+        _stop_all([f.proc for f in self.frontends if f.proc is not None],
+                  self.args.shutdown_timeout + _FRONTEND_STOP_GRACE_S)
         if self.coordinator.proc is not None:
             _stop_all([self.coordinator.proc], _COORDINATOR_STOP_S)
         for _, proc in self.procs():

@@ -5,8 +5,9 @@ order and their restarts are deployment.py's.
 
 It waits until every rank is ready and /health answers 200 and prints the URL; a child that exits during
 start-up ends it (exit code 1); once serving, a coordinator or API server that exits is restarted while the
-engines keep serving. SIGTERM/SIGINT: API servers stop first (they drain in-flight requests), then the coordinator
-(engines, actors, placement groups), then Ray. A second signal kills everything at once.
+engines keep serving. SIGTERM/SIGINT: API servers stop first (/health answers 503 while in-flight requests may
+finish for up to --shutdown-timeout), then the coordinator (engines, actors, placement groups), then Ray. A second
+signal kills everything at once.
 
 Each child runs in its own process group (a terminal's Ctrl-C reaches only this process, which then stops the
 children in order) and gets SIGTERM if this process dies (PR_SET_PDEATHSIG).
@@ -30,7 +31,13 @@ from dpserve.deployment import Server, ServeState
 from dpserve.deployment import log as _log
 from dpserve.ray_head import RayHeadError
 from dpserve_coordinator import settings as coordinator_settings
-from dpserve_frontend.settings import FrontendSettings, add_migration_flag, read_chat_template
+from dpserve_frontend.settings import (
+    FrontendSettings,
+    add_admission_flags,
+    add_migration_flag,
+    add_shutdown_timeout_flag,
+    read_chat_template,
+)
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.status import API_KEY_ENV
 
@@ -62,6 +69,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
     add_migration_flag(parser)
+    add_admission_flags(parser)
+    add_shutdown_timeout_flag(parser)
     add_engine_flags(parser)
 
 
@@ -154,6 +163,12 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         cmd += ["--migration-limit", str(args.migration_limit)]
     if args.chat_template:
         cmd += ["--chat-template", args.chat_template]
+    if args.max_num_queued_requests is not None:
+        cmd += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
+    if args.max_num_queued_tokens is not None:
+        cmd += ["--max-num-queued-tokens", str(args.max_num_queued_tokens)]
+    if args.shutdown_timeout != FrontendSettings.shutdown_timeout_s:
+        cmd += ["--shutdown-timeout", str(args.shutdown_timeout)]
     if ready_file:
         cmd += ["--ready-file", ready_file]
     if deployment_id:

@@ -15,7 +15,7 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class EngineFlag:
     flag: str
-    kind: Any  # int, float, str; "switch" (store_true); "bool" (--x / --no-x)
+    kind: Any  # int, float, str; "switch" (store_true); "bool" (--x / --no-x); "positive_float" (a float > 0)
     help: str
     choices: tuple[str, ...] | None = None
 
@@ -55,6 +55,11 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "eager PyTorch only; default: compile the decode step and build its C++ attention op at start-up on CPU "
         "(one to three minutes the first time, cached under ~/.cache/dpserve after)",
     ),
+    EngineFlag(
+        "--max-queue-time-s", "positive_float",
+        "a request that waited this long in the rank's queue without being scheduled is ended and answered 503 "
+        "with Retry-After (a moved request's continuation is exempt); default: no limit",
+    ),
     EngineFlag("--null-engine", "switch", "no model: tokens on a fixed step time (benchmarks, simulation)"),
     EngineFlag("--null-step-time-ms", float, "the null engine's step time"),
 )  # fmt: skip
@@ -70,8 +75,17 @@ def add_engine_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any] |
             group.add_argument(f.flag, action="store_true", default=default, help=f.help)
         elif f.kind == "bool":
             group.add_argument(f.flag, action=argparse.BooleanOptionalAction, default=default, help=shown)
+        elif f.kind == "positive_float":
+            group.add_argument(f.flag, type=_positive_float, default=default, metavar="SECONDS", help=shown)
         else:
             group.add_argument(f.flag, type=f.kind, default=default, choices=f.choices, help=shown)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
 
 
 def engine_argv(args: argparse.Namespace) -> tuple[str, ...]:

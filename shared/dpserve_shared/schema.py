@@ -198,6 +198,9 @@ class RequestOutput(_Part):
     error: str | None = None  # message when finish_reason is ERROR
     num_prompt_tokens: int = 0  # set on the first output
     queue_time_s: float | None = None  # set on the first output: engine arrival -> first scheduled (s)
+    # An ERROR the client may retry later (or elsewhere), answered 503 + Retry-After: "queue_time" (it waited longer
+    # than --max-queue-time-s in the rank's queue); the frontend itself uses "shutting_down" (its drain ran out).
+    retry_reason: str | None = None
 
 
 class EngineOutputs(_Msg, tag="outputs"):

@@ -95,9 +95,9 @@ class NullEngine:
     aborts) over a RecordingNullCore, bound on 127.0.0.1 and registered as `rank` with a _Registrar of its own.
     `requests()` and `aborted_ids()` say what reached its core."""
 
-    def __init__(self, rank: int, model_info, step_time_s: float = 0.002, token_ids=None):
+    def __init__(self, rank: int, model_info, step_time_s: float = 0.002, token_ids=None, **core_kwargs):
         self.rank = rank
-        self.core = RecordingNullCore(model_info, step_time_s=step_time_s, token_ids=token_ids)
+        self.core = RecordingNullCore(model_info, step_time_s=step_time_s, token_ids=token_ids, **core_kwargs)
         self._registrar = _Registrar(rank)
         self.service = EngineService(ServiceSettings(coordinator_addr=self._registrar.control_addr, rank=rank),
                                      self.core)

@@ -59,6 +59,23 @@ def test_only_the_first_api_server_logs_the_per_rank_stats_line():
     assert [s.stats_interval_s for s in parsed] == [10.0, 0.0, 0.0]
 
 
+def test_admission_and_shutdown_flags_reach_the_api_servers_and_the_engines():
+    from dpserve_frontend import settings as frontend_settings
+
+    args = serve_args("--max-num-queued-requests", "4", "--max-num-queued-tokens", "900", "--shutdown-timeout", "7",
+                      "--max-queue-time-s", "2.5", "--null-engine")  # fmt: skip
+    serve.validate(args)
+    frontend = frontend_settings.settings_from_args(serve.frontend_command(args, "/tmp/ready", "dep-x")[3:])
+    assert (frontend.max_num_queued_requests, frontend.max_num_queued_tokens) == (4, 900)
+    assert frontend.shutdown_timeout_s == 7.0
+    cmd = serve.coordinator_command(args, "/tmp/ready")
+    assert cmd[cmd.index("--max-queue-time-s") + 1] == "2.5"
+    unset = frontend_settings.settings_from_args(serve.frontend_command(serve_args(), "/tmp/ready", "dep-x")[3:])
+    assert (unset.max_num_queued_requests, unset.max_num_queued_tokens, unset.shutdown_timeout_s) == (None, None, 30.0)
+    with pytest.raises(SystemExit):
+        serve_args("--max-queue-time-s", "0")
+
+
 def test_engine_flags_reach_the_engine_and_unset_ones_keep_its_defaults():
     from dpserve_engine import service
     from dpserve_engine.config import EngineConfig
@@ -66,9 +83,11 @@ def test_engine_flags_reach_the_engine_and_unset_ones_keep_its_defaults():
     def engine_config(*argv):
         return service.config_from_args(service.build_parser().parse_args(["--coordinator", "tcp://h:1", *argv]))
 
-    args = serve_args("--enforce-eager", "--quantization", "none", "--max-num-seqs", "8", "--model", "m.gguf")
+    args = serve_args("--enforce-eager", "--quantization", "none", "--max-num-seqs", "8", "--model", "m.gguf",
+                      "--max-queue-time-s", "3")  # fmt: skip
     config = engine_config(*engine_argv(args))
     assert (config.enforce_eager, config.quantization, config.max_num_seqs, config.model) == (True, "none", 8, "m.gguf")
+    assert config.max_queue_time_s == 3.0
     assert engine_config(*engine_argv(serve_args())) == engine_config() == EngineConfig()
 
 

@@ -112,6 +112,24 @@ def test_abort_frees_every_block(model):
     assert core.load().kv_blocks_used == 0 and not core.has_unfinished()
 
 
+def test_max_queue_time_ends_requests_that_waited_too_long_unscheduled(model):
+    core = engine(model, max_num_seqs=1, max_queue_time_s=30.0)
+    core.add_request(EngineRequest("running", prompt(0), greedy(20)))
+    core.step()  # "running" takes the only slot
+    core.add_request(EngineRequest("stale", prompt(1), greedy(4)))
+    core.add_request(EngineRequest("fresh", prompt(2), greedy(4)))
+    core.requests["stale"].arrival_s -= 60.0  # as if it had waited a minute (no clock in unit tests)
+    outs = core.step()
+    expired = [o for o in outs if o.request_id == "stale"]
+    assert len(expired) == 1 and expired[0].finish_reason == FinishReason.ERROR
+    assert expired[0].retry_reason == "queue_time" and "--max-queue-time-s 30" in expired[0].error
+    assert expired[0].queue_time_s >= 60.0
+    assert "stale" not in core.requests and core.load().num_waiting == 1  # "fresh" still waits
+    finished = run(core, [])
+    assert finished["fresh"][-1].finish_reason == FinishReason.LENGTH
+    assert finished["fresh"][0].retry_reason is None
+
+
 def test_seeded_sampling_is_batch_independent(model):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
     alone = solo(model, "s", prompt(1), params)

@@ -27,3 +27,20 @@ def test_bad_flags_exit_with_a_message():
         settings_from_args(["--coordinator", "localhost:5555"])
     with pytest.raises(SystemExit):
         settings_from_args([])
+
+
+def test_admission_and_shutdown_flags():
+    base = ["--coordinator", "tcp://h:1"]
+    settings = settings_from_args(base)
+    assert (settings.max_num_queued_requests, settings.max_num_queued_tokens) == (None, None)
+    assert settings.shutdown_timeout_s == 30.0
+    settings = settings_from_args([*base, "--max-num-queued-requests", "4", "--max-num-queued-tokens", "2048",
+                                   "--shutdown-timeout", "0"])
+    assert (settings.max_num_queued_requests, settings.max_num_queued_tokens) == (4, 2048)
+    assert settings.shutdown_timeout_s == 0.0
+    # vLLM's spelling of the request cap, and the frontend's old name of the shutdown timeout
+    settings = settings_from_args([*base, "--max-num-queued-reqs", "3", "--drain-timeout", "12"])
+    assert (settings.max_num_queued_requests, settings.shutdown_timeout_s) == (3, 12.0)
+    for bad in (["--max-num-queued-requests", "0"], ["--max-num-queued-tokens", "-1"], ["--shutdown-timeout", "-1"]):
+        with pytest.raises(SystemExit):
+            settings_from_args([*base, *bad])

@@ -126,3 +126,19 @@ def test_identical_prompts_arriving_together_are_prefilled_once():
     distinct = [add(other, f"d{i}", 17, arrival=i) for i in range(4)]
     batch = other.schedule()
     assert batch.num_tokens == [17, 17, 17, 13] and batch.seqs == distinct  # the budget, not a prefix, stops d3
+
+
+def test_take_expired_removes_only_never_scheduled_requests_that_waited_too_long():
+    sched = make_sched(max_num_seqs=1)
+    running = add(sched, "r0", 4, max_tokens=50)
+    sched.schedule()  # r0 runs; the others wait behind max_num_seqs
+    old, preempted, moved, young = (add(sched, f"r{i}", 4) for i in (1, 2, 3, 4))
+    old.arrival_s, preempted.arrival_s, moved.arrival_s, young.arrival_s = 1.0, 1.0, 2.0, 9.0
+    running.arrival_s = 0.0
+    preempted.first_scheduled_s = 1.5  # it ran before and was preempted
+    moved.is_continuation = True  # a moved request's rest
+    expired = sched.take_expired(arrived_before=5.0)
+    assert expired == [old] and old.status == SequenceStatus.FINISHED
+    assert list(sched.waiting) == [preempted, moved, young]
+    assert sched.running == [running]
+    assert sched.take_expired(arrived_before=5.0) == []

@@ -12,7 +12,7 @@ from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, Model
 from dpserve_shared.timing import MAX_LOGPROBS
 
 from dpserve_engine.block_manager import BlockManager
-from dpserve_engine.interface import EngineCoreBase, InvalidRequest
+from dpserve_engine.interface import EngineCoreBase, InvalidRequest, queue_timeout_output
 from dpserve_engine.model import Precision, Transformer, build_model
 from dpserve_engine.model_info import load_model_info
 from dpserve_engine.model_runner import ModelRunner, StepResult
@@ -129,11 +129,22 @@ class EngineCore(EngineCoreBase):
     # -- step ------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        expired = self._expire_queued() if self.config.max_queue_time_s is not None else []
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return expired
         result = self.runner.run(batch)
-        return self._postprocess(batch, result)
+        return expired + self._postprocess(batch, result)
+
+    def _expire_queued(self) -> list[RequestOutput]:
+        """--max-queue-time-s: end the requests that waited longer than that without being scheduled."""
+        now = time.monotonic()
+        limit_s = self.config.max_queue_time_s
+        outputs = []
+        for seq in self.scheduler.take_expired(now - limit_s):
+            del self.requests[seq.request_id]
+            outputs.append(queue_timeout_output(seq.request_id, now - seq.arrival_s, limit_s))
+        return outputs
 
     def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Advance computed counts, append sampled tokens, detect finishes, build this step's outputs."""

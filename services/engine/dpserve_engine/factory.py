@@ -12,7 +12,8 @@ def build_engine_core(config: EngineConfig) -> EngineCoreBase:
         from dpserve_engine.null_core import NullEngineCore
 
         return NullEngineCore(
-            load_model_info(config), step_time_s=config.null_step_time_s, max_num_seqs=config.max_num_seqs
+            load_model_info(config), step_time_s=config.null_step_time_s, max_num_seqs=config.max_num_seqs,
+            max_queue_time_s=config.max_queue_time_s,
         )
     from dpserve_engine.core import EngineCore  # imports torch: only when a real model is asked for
 

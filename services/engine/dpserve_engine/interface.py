@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 
-from dpserve_shared.schema import EngineLoad, EngineRequest, ModelInfo, RequestOutput
+from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
 
 
 class InvalidRequest(ValueError):
@@ -35,3 +35,12 @@ class EngineCoreBase(abc.ABC):
     @abc.abstractmethod
     def load(self) -> EngineLoad:
         """Current load and cumulative counters (rank left 0; the service stamps it)."""
+
+
+def queue_timeout_output(request_id: str, waited_s: float, limit_s: float) -> RequestOutput:
+    """The answer to a request that waited longer than --max-queue-time-s (EngineCore and the null engine)."""
+    return RequestOutput(
+        request_id, finish_reason=FinishReason.ERROR, retry_reason="queue_time", queue_time_s=waited_s,
+        error=f"the request waited {waited_s:.1f} s in the engine's queue, longer than --max-queue-time-s "
+              f"{limit_s:g}; retry later",
+    )  # fmt: skip

@@ -2,7 +2,8 @@
 
 A product feature, not a test double: it measures the frontend and coordinator alone (benchmarks) and lets a
 simulation run many ranks on one machine. Each step takes `step_time_s` and gives every running request one
-token; requests go from waiting to running up to `max_num_seqs`.
+token; requests go from waiting to running up to `max_num_seqs`; with `max_queue_time_s` one that waited longer
+than that is ended as EngineCore ends it (`interface.queue_timeout_output`).
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from collections.abc import Iterable
 
 from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
 
-from dpserve_engine.interface import EngineCoreBase, InvalidRequest
+from dpserve_engine.interface import EngineCoreBase, InvalidRequest, queue_timeout_output
 
 
 class _NullRequest:
-    __slots__ = ("request", "num_generated", "is_first")
+    __slots__ = ("request", "num_generated", "is_first", "arrival_s")
 
     def __init__(self, request: EngineRequest):
         self.request = request
         self.num_generated = 0
         self.is_first = True
+        self.arrival_s = time.monotonic()
 
 
 class NullEngineCore(EngineCoreBase):
@@ -33,8 +35,10 @@ class NullEngineCore(EngineCoreBase):
         max_num_seqs: int = 256,
         token_ids: list[int] | None = None,
         num_kv_blocks: int = 4096,
+        max_queue_time_s: float | None = None,
     ):
         self.model_info = model_info
+        self._max_queue_time_s = max_queue_time_s
         self.kv_blocks_total = num_kv_blocks
         self._step_time_s = step_time_s
         self._max_num_seqs = max_num_seqs
@@ -70,8 +74,22 @@ class NullEngineCore(EngineCoreBase):
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def _expire_queued(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        limit_s = self._max_queue_time_s
+        expired = []
+        for request_id, entry in self._waiting.items():  # arrival order
+            if now - entry.arrival_s <= limit_s:
+                break
+            if not entry.request.num_generated:  # a continuation is exempt
+                expired.append(queue_timeout_output(request_id, now - entry.arrival_s, limit_s))
+        for output in expired:
+            del self._waiting[output.request_id]
+        return expired
+
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        expired = self._expire_queued() if self._max_queue_time_s is not None else []
         while self._waiting and len(self._running) < self._max_num_seqs:
             request_id, entry = self._waiting.popitem(last=False)
             self._running[request_id] = entry
@@ -97,7 +115,7 @@ class NullEngineCore(EngineCoreBase):
         remaining = self._step_time_s - (time.perf_counter() - started)
         if remaining > 0:
             time.sleep(remaining)
-        return outputs
+        return expired + outputs if expired else outputs
 
     def load(self) -> EngineLoad:
         return EngineLoad(

@@ -11,6 +11,9 @@ sequence that does not fit (FIFO, no overtaking), and at the first whose next pr
 is computing right now: it joins a step later with that block from the prefix cache (32 identical prompts cost
 one prefill, not 32). Since add_request refuses a request whose prompt + max_tokens
 needs more blocks than exist, the oldest running sequence can always make progress: no deadlock, no loss.
+With --max-queue-time-s, `take_expired` removes (before a step is scheduled) the waiting sequences that arrived
+longer ago than that and were never scheduled; a preempted one (scheduled before) and a moved request's
+continuation are not removed.
 """
 
 from __future__ import annotations
@@ -127,6 +130,22 @@ class Scheduler:
             if self.block_manager.enable_prefix_caching and seq.num_uncomputed_tokens > 1:
                 pending.update(seq.block_hashes[seq.num_computed_tokens // bs :])
         return admitted
+
+    def take_expired(self, arrived_before: float) -> list[Sequence]:
+        """Remove and return the waiting sequences never scheduled that arrived (time.monotonic()) before
+        `arrived_before`, except continuations; they hold no blocks. New sequences join the queue's end in arrival
+        order, so the scan stops at the first one that arrived later."""
+        expired = []
+        for seq in self.waiting:
+            if seq.first_scheduled_s is not None or seq.is_continuation or seq.arrival_s is None:
+                continue
+            if seq.arrival_s >= arrived_before:
+                break
+            expired.append(seq)
+        for seq in expired:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+        return expired
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""

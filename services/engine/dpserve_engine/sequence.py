@@ -29,6 +29,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival_index = arrival_index
+        self.is_continuation = num_generated > 0  # a moved request's rest: exempt from --max-queue-time-s
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission

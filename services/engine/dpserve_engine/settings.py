@@ -81,6 +81,9 @@ class EngineConfig:
     # already serves through eager PyTorch, switching over once done (the engine service); False: EngineCore's
     # constructor returns with it compiled (tests, benchmarks).
     compile_in_background: bool = False
+    # A request that waited this long in the queue without being scheduled is ended (ERROR, retry_reason
+    # "queue_time": the frontend answers 503 + Retry-After); None: no limit. Continuations are exempt.
+    max_queue_time_s: float | None = None
     null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
     null_step_time_s: float = 0.0
     cache_dir: str = dataclasses.field(default_factory=_cache_dir_from_env)  # default: $DPSERVE_CACHE_DIR

@@ -39,7 +39,8 @@ async def list_models(request: web.Request, state: FrontendState) -> web.Respons
 
 
 async def health(request: web.Request, state: FrontendState) -> web.Response:
-    """200 while at least one rank serves ("degraded" if some expected rank does not), 503 otherwise; the body
+    """200 while at least one rank serves ("degraded" if some expected rank does not), 503 otherwise (none serves,
+    or "draining": this API server is shutting down, so a load balancer stops sending to it); the body
     lists every rank's state ("ready", "starting", "draining", "dead" or "failed": a crash loop), its restarts and
     why it is down. `?rank=N`: that rank alone, 200 when it serves, else 503 (404 for a rank not in the
     deployment)."""
@@ -55,14 +56,14 @@ async def health(request: web.Request, state: FrontendState) -> web.Response:
             raise NotFound(f"rank {rank} is not in this deployment (ranks: {[r['rank'] for r in ranks]})",
                            param="rank")  # fmt: skip
         return json_response(entry, 200 if rank in serving and not state.is_draining else 503)
-    code = 503 if status == "unavailable" else 200
+    code = 200 if status in ("ok", "degraded") else 503
     body = {"status": status, "serving_ranks": serving, "data_parallel_size": expected, "ranks": ranks}
     return json_response(body, code)
 
 
 async def ping(request: web.Request, state: FrontendState) -> web.Response:
     """vLLM's /ping: /health's status code with an empty body."""
-    return web.Response(status=503 if state.health()[0] == "unavailable" else 200)
+    return web.Response(status=200 if state.health()[0] in ("ok", "degraded") else 503)
 
 
 async def load(request: web.Request, state: FrontendState) -> web.Response:

@@ -20,6 +20,8 @@ that owns it. The pool follows the coordinator's `Topology`:
 
 The router's loads follow the coordinator's `LoadSnapshot` (`apply_snapshot`), as does the pool's view of the
 wave (stamped on every request; a request while the engines look paused asks the coordinator to start a wave).
+New requests pass the router's admission control (`admission`: no rank with room -> `QueuesFull`, nothing sent);
+re-sends never do. At the end of a drain `fail_all` ends what is still in flight.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from dpserve_shared.schema import (
 )
 from dpserve_shared.waves import FrontendWaves
 
-from dpserve_frontend.router import NoEngineAvailable, Router
+from dpserve_frontend.router import AdmissionLimits, NoEngineAvailable, Router
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +103,11 @@ class EnginePool:
         on_start_wave: Callable[[StartWaveRequest], None] | None = None,
         on_resend: Callable[[], None] | None = None,
         migration_limit: int = 3,
+        admission: AdmissionLimits | None = None,
     ):
         self.frontend_id = frontend_id
         self._router = Router()
+        self.admission = admission or AdmissionLimits()
         self._context = context or zmq.asyncio.Context.instance()
         self._engines: dict[int, _EngineConn] = {}
         self._in_flight: dict[str, _InFlight] = {}
@@ -227,8 +231,10 @@ class EnginePool:
     def submit(self, requests: list[EngineRequest], queue: OutputQueue, pinned_rank: int | None = None) -> int:
         """Route a request's sequences to one rank (the router's pick, or `pinned_rank`) and send them there;
         their outputs arrive on `queue` as (seq_index, output). Returns the rank. Raises `NoEngineAvailable` when
-        no rank serves and `RankNotServing` for a pin that does not."""
-        rank = self._router.pick(pinned_rank, num_seqs=len(requests))
+        no rank serves, `RankNotServing` for a pin that does not and `QueuesFull` when admission control refuses
+        it (then nothing is sent)."""
+        num_tokens = sum(len(request.prompt_token_ids) for request in requests)
+        rank = self._router.pick(pinned_rank, num_seqs=len(requests), num_tokens=num_tokens, limits=self.admission)
         if rank not in self._engines:
             raise NoEngineAvailable(f"engine rank {rank} is not connected")
         wave, wake_up = self.waves.stamp(rank)
@@ -269,6 +275,18 @@ class EnginePool:
         for rank, ids in by_rank.items():
             if rank in self._engines:
                 self._engines[rank].socket.send(encode(AbortRequests(ids)))
+
+    def fail_all(self, retry_reason: str, message: str) -> int:
+        """End every sequence in flight now with an ERROR output carrying `retry_reason` (the end of a drain) and
+        abort it on its engine; returns how many there were."""
+        request_ids = list(self._in_flight)
+        for request_id in request_ids:
+            entry = self._in_flight[request_id]
+            output = RequestOutput(request_id, finish_reason=FinishReason.ERROR, error=message,
+                                   retry_reason=retry_reason)  # fmt: skip
+            entry.queue.put_nowait((entry.seq_index, output))
+        self.abort(request_ids)
+        return len(request_ids)
 
     @property
     def num_in_flight(self) -> int:

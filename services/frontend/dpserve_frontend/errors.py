@@ -57,6 +57,21 @@ class ServiceUnavailable(APIError):
     error_type = "server_error"
 
 
+class RetryLater(ServiceUnavailable):
+    """503 with `Retry-After`: the request was refused (admission control, a drain) or given up in an engine's
+    queue (--max-queue-time-s), and the same request may succeed later or on another server. `code` is the
+    reason: queued_requests, queued_tokens, queue_time or shutting_down."""
+
+    error_type = "server_overloaded"
+    retry_after_s = 1
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message, code=reason)
+        if reason == "shutting_down":
+            self.error_type = "server_error"
+        self.headers = {"Retry-After": str(self.retry_after_s)}
+
+
 class EngineError(APIError):
     """An engine failed or went away while serving the request."""
 
@@ -65,6 +80,7 @@ class EngineError(APIError):
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> web.Response:
+    headers = headers or getattr(error, "headers", None)  # RetryLater's Retry-After
     return web.Response(
         body=orjson.dumps(error.to_dict()), status=error.status, content_type="application/json", headers=headers
     )

@@ -1,8 +1,10 @@
 """One HTTP request's generation: its sequences on one engine rank, turned into text deltas.
 
 A request has `len(prompts) * n` sequences (choices), all sent to one rank (the pool picks it) so a shared
-prompt is prefilled once. Outputs arrive on one queue; each is detokenized, checked for stop strings (a hit
-finishes the sequence and aborts it on the engine) and handed to the endpoint as `SeqDelta`s. `close()` aborts
+prompt is prefilled once (admission control may refuse it first: a 503 with Retry-After, nothing sent). Outputs
+arrive on one queue; each is detokenized, checked for stop strings (a hit finishes the sequence and aborts it on
+the engine) and handed to the endpoint as `SeqDelta`s. An ERROR with a `retry_reason` (it waited longer than
+--max-queue-time-s in the engine's queue, or the drain ran out) is a 503 with Retry-After too. `close()` aborts
 whatever is still running: it runs when the client goes away, on errors and on shutdown. A generation uses the
 pool, the tokenizer and the metrics it is given, nothing else of the process.
 """
@@ -22,9 +24,9 @@ from dpserve_shared.schema import EngineRequest, FinishReason, RequestOutput, To
 
 from dpserve_frontend.detokenizer import IncrementalDetokenizer
 from dpserve_frontend.engine_pool import EnginePool
-from dpserve_frontend.errors import EngineError, ServiceUnavailable
+from dpserve_frontend.errors import EngineError, RetryLater, ServiceUnavailable
 from dpserve_frontend.metrics import FrontendMetrics
-from dpserve_frontend.router import NoEngineAvailable, RankNotServing
+from dpserve_frontend.router import NoEngineAvailable, QueuesFull, RankNotServing
 from dpserve_frontend.spec import GenerationSpec
 from dpserve_frontend.tokenizer import ModelTokenizer
 
@@ -130,6 +132,9 @@ class Generation:
         except (NoEngineAvailable, RankNotServing) as e:
             self._metrics.requests_failed.labels("no_rank").inc()
             raise ServiceUnavailable(str(e)) from None
+        except QueuesFull as e:
+            self._metrics.admission_rejections.labels(e.reason).inc()
+            raise RetryLater(str(e), e.reason) from None
 
     async def deltas(self) -> AsyncIterator[list[SeqDelta]]:
         """Yields the deltas of each batch of engine outputs until every sequence finished."""
@@ -162,6 +167,9 @@ class Generation:
         finish_reason = output.finish_reason
         if finish_reason is not None and (finish_reason == FinishReason.ERROR or finish_reason == FinishReason.ABORT):
             self.close()
+            if output.retry_reason is not None:
+                self._count_retry(output.retry_reason)
+                raise RetryLater(output.error or "retry later", output.retry_reason)
             self._metrics.engine_errors.labels(str(self.rank)).inc()
             self._metrics.requests_failed.labels("engine").inc()
             reason = output.error or "the engine aborted the request"
@@ -203,6 +211,12 @@ class Generation:
                 seq.finish_reason, seq.stop_reason = finish_reason.value, output.stop_reason
         text = detok.take_new_text(seq.finish_reason is not None)
         return SeqDelta(seq, text, num_before, len(token_ids) - num_before, seq.finish_reason)
+
+    def _count_retry(self, reason: str) -> None:
+        if reason == "shutting_down":  # accepted, then cut off by the drain's end
+            self._metrics.requests_failed.labels("shutdown").inc()
+        else:
+            self._metrics.admission_rejections.labels(reason).inc()
 
     def _flush_itls(self) -> None:
         if self._itls:

@@ -185,7 +185,14 @@ class FrontendMetrics:
                                   "away (re-sent before their first token, or continued after it).", registry=own)
         self.requests_failed = Counter("dpserve:requests_failed", "Requests that failed after they were accepted: "
                                        "reason no_rank (none serving: 503), engine (an engine error, or a rank gone "
-                                       "with no move left).", ["reason"], registry=own)
+                                       "with no move left), shutdown (still running when --shutdown-timeout ran "
+                                       "out).", ["reason"], registry=own)
+        self.admission_rejections = Counter("dpserve:admission_rejections", "Requests answered 503 with Retry-After: "
+                                            "reason queued_requests / queued_tokens (every rank they could go to "
+                                            "was past --max-num-queued-requests / --max-num-queued-tokens), "
+                                            "queue_time (waited longer than --max-queue-time-s in an engine's "
+                                            "queue), shutting_down (arrived during a drain).", ["reason"],
+                                            registry=own)  # fmt: skip
         self.engine_errors = Counter("dpserve:frontend_engine_errors", "Sequences that ended with an engine error.",
                                      ["engine"], registry=own)
         self.model_name = model_name

@@ -13,6 +13,14 @@ that rotates after every pick, so equal ranks take turns instead of rank 0 takin
 
 Only ranks the topology lists as READY are candidates. A rank can be pinned (HTTP header
 `X-data-parallel-rank`); pinning a rank that is not serving is the caller's error.
+
+Admission control (`AdmissionLimits`: --max-num-queued-requests, vLLM's --max-num-queued-reqs, and
+--max-num-queued-tokens, per rank): a new request may only go to a rank whose queue, as this frontend sees it (waiting requests and their prompt tokens
+from the snapshot, plus what this frontend sent since), has room for it; the lowest cost among those wins. When
+no candidate has room (a pinned request: its rank), `pick` raises `QueuesFull` and nothing is sent. A rank with
+an empty queue always takes the request, so one larger than a cap is not refused forever. Each API server counts
+only its own sends, so with several the caps are approximate, as vLLM's are across its API servers. Re-sends of
+requests already accepted (their rank died) are never refused.
 """
 
 from __future__ import annotations
@@ -29,6 +37,42 @@ class NoEngineAvailable(Exception):
     """No rank is serving."""
 
 
+class QueuesFull(Exception):
+    """No candidate rank has room in its queue for the request (admission control)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason  # "queued_requests" or "queued_tokens": the cap that refused it
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionLimits:
+    """Per-rank caps on what may wait in an engine's queue; None = no cap."""
+
+    max_num_queued_requests: int | None = None
+    max_num_queued_tokens: int | None = None
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.max_num_queued_requests is not None or self.max_num_queued_tokens is not None
+
+    def refusal(self, load: _RankLoad, num_seqs: int, num_tokens: int) -> str | None:
+        """Why a rank with `load` cannot take `num_seqs` sequences of `num_tokens` prompt tokens, or None."""
+        queued, queued_tokens = load.num_queued, load.num_queued_tokens
+        if queued == 0:
+            return None  # an empty queue takes anything
+        if self.max_num_queued_requests is not None and queued + num_seqs > self.max_num_queued_requests:
+            return "queued_requests"
+        if self.max_num_queued_tokens is not None and queued_tokens + num_tokens > self.max_num_queued_tokens:
+            return "queued_tokens"
+        return None
+
+    def describe(self, reason: str) -> str:
+        if reason == "queued_requests":
+            return f"--max-num-queued-requests {self.max_num_queued_requests}"
+        return f"--max-num-queued-tokens {self.max_num_queued_tokens}"
+
+
 class RankNotServing(Exception):
     """A pinned rank that is not serving."""
 
@@ -43,6 +87,16 @@ class _RankLoad:
     num_waiting: int = 0
     num_running: int = 0
     num_sent: int = 0  # sequences this frontend sent since the snapshot
+    num_waiting_tokens: int = 0  # prompt tokens still to prefill of the waiting ones (snapshot)
+    num_sent_tokens: int = 0  # prompt tokens of this frontend's sends since the snapshot
+
+    @property
+    def num_queued(self) -> int:
+        return self.num_waiting + self.num_sent
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return self.num_waiting_tokens + self.num_sent_tokens
 
     def cost(self) -> int:
         return WAITING_WEIGHT * (self.num_waiting + self.num_sent) + self.num_running
@@ -74,32 +128,63 @@ class Router:
             if entry is not None:
                 entry.num_waiting = load.num_waiting
                 entry.num_running = load.num_running
+                entry.num_waiting_tokens = load.num_waiting_tokens
         for entry in self._loads.values():
             entry.num_sent = 0
+            entry.num_sent_tokens = 0
 
-    def pick(self, pinned_rank: int | None = None, num_seqs: int = 1, exclude: int | None = None) -> int:
-        """Choose a rank (other than `exclude`: one that just gave a request back) and count `num_seqs` sends to
-        it."""
+    def pick(
+        self,
+        pinned_rank: int | None = None,
+        num_seqs: int = 1,
+        exclude: int | None = None,
+        num_tokens: int = 0,
+        limits: AdmissionLimits | None = None,
+    ) -> int:
+        """Choose a rank (other than `exclude`: one that just gave a request back) whose queue has room under
+        `limits` (None: no admission control), and count `num_seqs` sends of `num_tokens` prompt tokens to it.
+        Raises `QueuesFull` when no candidate has room."""
+        if limits is not None and not limits.is_enabled:
+            limits = None
         if pinned_rank is not None:
             if pinned_rank not in self._loads:
                 raise RankNotServing(pinned_rank, self.serving_ranks)
             rank = pinned_rank
+            reason = limits.refusal(self._loads[rank], num_seqs, num_tokens) if limits is not None else None
+            if reason is not None:
+                raise QueuesFull(reason, f"data-parallel rank {rank}'s queue is full ({limits.describe(reason)}); retry later")
         else:
-            rank = self._lowest_cost(exclude)
-        self._loads[rank].num_sent += num_seqs
+            rank = self._lowest_cost(exclude, limits, num_seqs, num_tokens)
+        load = self._loads[rank]
+        load.num_sent += num_seqs
+        load.num_sent_tokens += num_tokens
         return rank
 
-    def _lowest_cost(self, exclude: int | None = None) -> int:
+    def _lowest_cost(
+        self, exclude: int | None = None, limits: AdmissionLimits | None = None, num_seqs: int = 1,
+        num_tokens: int = 0,
+    ) -> int:  # fmt: skip
         ranks = self._serving if exclude is None else [r for r in self._serving if r != exclude]
         if not ranks:
             raise NoEngineAvailable("no engine rank is serving")
         start = self._next_start % len(ranks)
         best_rank, best_cost = -1, None
+        refusals = set()
         for i in range(len(ranks)):
             rank = ranks[(start + i) % len(ranks)]
-            cost = self._loads[rank].cost()
+            load = self._loads[rank]
+            if limits is not None:
+                reason = limits.refusal(load, num_seqs, num_tokens)
+                if reason is not None:
+                    refusals.add(reason)
+                    continue
+            cost = load.cost()
             if best_cost is None or cost < best_cost:
                 best_rank, best_cost = rank, cost
+        if best_cost is None:
+            # every candidate refused: name the request cap if any rank was past it, else the token cap
+            reason = "queued_requests" if "queued_requests" in refusals else "queued_tokens"
+            raise QueuesFull(reason, f"every serving rank's queue is full ({limits.describe(reason)}); retry later")
         self._next_start = start + 1
         return best_rank
 

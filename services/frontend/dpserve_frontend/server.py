@@ -3,9 +3,11 @@
 - STARTING: the app's cleanup contexts run (register with the coordinator, retrying until it answers).
 - SERVING: the HTTP port is bound with SO_REUSEPORT, so several frontend processes share it; the ready file is
   written once this frontend follows the coordinator's broadcasts and every expected rank serves.
-- DRAINING (`stop(drain=True)`): the port is closed, new requests on open connections get 503, in-flight
-  requests run for up to the drain timeout and are then aborted on their engines. A stop while STARTING cancels
-  the registration instead.
+- DRAINING (`stop(drain=True)`): the port stays open so that a load balancer sees `/health` answer 503 (and
+  stops sending) instead of refused connections; new requests get 503 with Retry-After; requests in flight run
+  for up to --shutdown-timeout, then end with an error (a stream: an error event, then [DONE]; otherwise a 503
+  with Retry-After) and are aborted on their engines (`EnginePool.fail_all`). Then the port closes and the
+  handlers get HANDLER_GRACE_S to write their last bytes. A stop while STARTING cancels the registration instead.
 - STOPPED: engines disconnected, Unregister sent; `run` returns.
 
 `stop(drain=False)` exits the process at once (a second signal): nothing is left to save, and the coordinator
@@ -28,6 +30,8 @@ from dpserve_frontend.state import ServerState
 log = logging.getLogger("dpserve_frontend")
 
 WAITING_NOTE_S = 10.0  # "waiting for N ranks" this often until every expected rank serves
+HANDLER_GRACE_S = 5.0  # after the drain: how long handlers may still write (their requests have ended) before cancel
+DRAIN_POLL_S = 0.05
 
 
 class ApiServer:
@@ -54,7 +58,7 @@ class ApiServer:
     async def run(self) -> None:
         settings = self.settings
         runner = web.AppRunner(
-            self.app, handler_cancellation=True, shutdown_timeout=settings.drain_timeout_s, access_log=None,
+            self.app, handler_cancellation=True, shutdown_timeout=HANDLER_GRACE_S, access_log=None,
             handle_signals=False,
         )
         loop = asyncio.get_running_loop()
@@ -77,11 +81,29 @@ class ApiServer:
         await stop_asked
         if ready is not None:
             ready.cancel()
-        log.info("draining %d in-flight requests (at most %.0f s)", self._state.num_http_in_flight,
-                 settings.drain_timeout_s)
+        await self._drain(settings.shutdown_timeout_s)
         await runner.cleanup()
         self._state.server_state = ServerState.STOPPED
         log.info("frontend %s stopped", settings.frontend_id)
+
+    async def _drain(self, timeout_s: float) -> None:
+        """DRAINING with the port open: wait until no request is in flight on an engine, for at most `timeout_s`;
+        then end what is left."""
+        pool = self._state.pool
+        log.info("draining: /health and new requests answer 503; %d sequences in flight may finish for %.0f s",
+                 pool.num_in_flight, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while pool.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if pool.num_in_flight:
+            num_ended = pool.fail_all(
+                "shutting_down",
+                f"the server is shutting down and this request did not finish within --shutdown-timeout "
+                f"({timeout_s:g} s); retry on another server or later",
+            )
+            log.warning("--shutdown-timeout (%g s) ran out: ended %d sequences still in flight", timeout_s, num_ended)
+        else:
+            log.info("drained: no request in flight")
 
     async def _wait_for_ranks(self, path: str | None) -> None:
         """Until this frontend follows the coordinator's broadcasts and every expected rank serves, says so every

@@ -23,7 +23,8 @@ class FrontendSettings:
     api_key: str | None = dataclasses.field(default=None, repr=False)  # never logged
     frontend_id: str = dataclasses.field(default_factory=lambda: f"fe-{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
     log_level: str = "info"
-    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may run before they are aborted
+    # SIGTERM: how long in-flight requests may still run (/health 503, new requests 503) before they are ended
+    shutdown_timeout_s: float = 30.0
     register_timeout_s: float = 0.0  # 0 = keep retrying until the coordinator answers
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     stats_interval_s: float = 10.0  # the periodic per-rank stats log line
@@ -33,6 +34,9 @@ class FrontendSettings:
     migration_limit: int = 3  # moves of one request to another rank after its rank died (engine_pool.py)
     ready_file: str | None = None  # written once this frontend follows the broadcasts and sees every rank serve
     chat_template: str | None = None  # --chat-template: replaces the model's own (the template's text)
+    # Admission control (router.py): per rank, what may wait in its queue; None = no cap
+    max_num_queued_requests: int | None = None
+    max_num_queued_tokens: int | None = None
 
 
 def add_migration_flag(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +45,40 @@ def add_migration_flag(parser: argparse.ArgumentParser) -> None:
                         help="how many times a request moves to another rank when its rank dies: a started stream "
                              "goes on as its continuation (prompt + the tokens so far), with no gap or repeat; 0: a "
                              "started stream ends with an error event instead (default: %(default)s)")
+
+
+def add_admission_flags(parser: argparse.ArgumentParser) -> None:
+    """--max-num-queued-requests/-tokens, for the frontend and for `dpserve serve` (which passes them on)."""
+    parser.add_argument("--max-num-queued-requests", "--max-num-queued-reqs", type=_positive_int, default=None,
+                        metavar="N", dest="max_num_queued_requests",
+                        help="per rank: a new request goes only to a rank with fewer than N requests waiting (as "
+                             "this API server sees it: the coordinator's load plus its own sends); when every rank "
+                             "it could go to is full it is answered 503 with Retry-After at once (default: no cap)")
+    parser.add_argument("--max-num-queued-tokens", type=_positive_int, default=None, metavar="N",
+                        help="the same for the prompt tokens waiting on a rank (default: no cap)")
+
+
+def add_shutdown_timeout_flag(parser: argparse.ArgumentParser, *aliases: str) -> None:
+    """--shutdown-timeout (vLLM's name), for the frontend (alias --drain-timeout, its old name) and `dpserve
+    serve`."""
+    parser.add_argument("--shutdown-timeout", *aliases, type=_non_negative_float, dest="shutdown_timeout",
+                        default=FrontendSettings.shutdown_timeout_s, metavar="SECONDS",
+                        help="on SIGTERM, /health answers 503 and new requests 503 at once, and requests in flight "
+                             "may finish for this long; then they end with an error (default: %(default)s)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -87,8 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     parser.add_argument("--frontend-id", default=None, help="this frontend's id (default: fe-<host>-<random>)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="on SIGTERM, how long in-flight requests may finish before being aborted (default: 30)")
     parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
                         help="interval of the per-rank stats log line, 0 = off (default: 10)")
     parser.add_argument(
@@ -100,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
     add_migration_flag(parser)
+    add_admission_flags(parser)
+    add_shutdown_timeout_flag(parser, "--drain-timeout")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file (or the template itself) replacing the model's own, as "
                              "vLLM's --chat-template (default: the model's)")
@@ -129,7 +167,9 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         port=args.port,
         api_key=api_key,
         log_level=args.log_level,
-        drain_timeout_s=args.drain_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_num_queued_requests=args.max_num_queued_requests,
+        max_num_queued_tokens=args.max_num_queued_tokens,
         stats_interval_s=args.stats_interval,
         ready_file=args.ready_file,
         strict_request_fields=args.strict_request_fields,

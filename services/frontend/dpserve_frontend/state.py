@@ -12,8 +12,9 @@ import msgspec
 from dpserve_shared.schema import EngineLoad, EngineState, FrontendStats, LoadSnapshot, ModelInfo, Topology
 
 from dpserve_frontend.engine_pool import EnginePool
-from dpserve_frontend.errors import BadRequest, ModelNotFound, ServiceUnavailable
+from dpserve_frontend.errors import BadRequest, ModelNotFound, RetryLater, ServiceUnavailable
 from dpserve_frontend.metrics import FrontendMetrics
+from dpserve_frontend.router import AdmissionLimits
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.tokenizer import ModelTokenizer
 
@@ -25,7 +26,7 @@ class ServerState(enum.Enum):
 
     STARTING = "starting"  # registering with the coordinator; the HTTP port is not bound yet
     SERVING = "serving"  # the port is bound
-    DRAINING = "draining"  # stop asked: the port is closed, new requests get 503, in-flight ones run
+    DRAINING = "draining"  # stop asked: the port stays open, /health and new requests get 503, in-flight ones run
     STOPPED = "stopped"  # drained (or timed out), engines disconnected, unregistered
 
 
@@ -40,6 +41,7 @@ class FrontendState:
             on_engine_load=self._on_engine_load,
             on_resend=self.metrics.migrations.inc,
             migration_limit=settings.migration_limit,
+            admission=AdmissionLimits(settings.max_num_queued_requests, settings.max_num_queued_tokens),
         )
         self.tokenizer: ModelTokenizer | None = None
         self.model_info: ModelInfo | None = None
@@ -100,10 +102,12 @@ class FrontendState:
 
     def health(self) -> tuple[str, list[int], int]:
         """(status, serving ranks, expected size): "ok" when every expected rank serves, "degraded" when only
-        some do, "unavailable" while draining or when none does."""
+        some do, "draining" while this API server shuts down, "unavailable" when no rank serves."""
         serving = self.pool.serving_ranks
         expected = max(self.pool.expected_size, len(serving))
-        if self.is_draining or not serving:
+        if self.is_draining:
+            return "draining", serving, expected
+        if not serving:
             return "unavailable", serving, expected
         return ("ok" if len(serving) >= expected else "degraded"), serving, expected
 
@@ -133,7 +137,8 @@ class FrontendState:
 
     def check_can_serve(self, pinned_rank: int | None) -> None:
         if self.is_draining:
-            raise ServiceUnavailable("the server is shutting down")
+            self.metrics.admission_rejections.labels("shutting_down").inc()
+            raise RetryLater("the server is shutting down; retry on another server or later", "shutting_down")
         serving = self.pool.serving_ranks
         if pinned_rank is not None and pinned_rank not in serving:
             raise BadRequest(
