@@ -44,7 +44,9 @@ _COORDINATOR_STOP_S = 20.0
 RESTART_DELAY_S = 1.0
 MAX_RESTART_DELAY_S = 30.0
 STABLE_S = 30.0
-REATTACH_WAIT_S = 20.0  # a restarted coordinator waits this long for the engines to register again
+# A restarted coordinator waits this long for the engines to register again (they do within ~5 s of the last
+# broadcast); a rank whose engine died meanwhile is started anew after it.
+REATTACH_WAIT_S = 10.0
 WATCH_PID_ENV = "DPSERVE_WATCH_PID"  # the mp backend's engines watch this process (the engine's settings.py)
 
 

@@ -88,3 +88,28 @@ def test_a_killed_api_server_is_restarted_while_the_other_keeps_the_port(serve_f
         assert frontend not in server.record_descendants()
     finally:
         serve_factory.close()
+
+
+def test_a_rank_that_dies_while_the_coordinator_is_away_is_dropped_by_the_frontends(serve_factory):
+    """The coordinator SIGKILLed, then rank 1's engine: with nobody to announce the death, each API server sees
+    the rank's connection gone (engine_liveness.py) and moves its requests to rank 0; no request fails, and the
+    restarted coordinator starts rank 1 anew once the others re-attached."""
+    server = serve_factory(backend="mp", data_parallel_size=2, api_server_count=2, null_engine=True,
+                           extra_args=("--null-step-time-ms", STEP_MS))  # fmt: skip
+    try:
+        pids = _engine_pids(server)
+        coordinator = _child_pid(server, "dpserve_coordinator.main")
+        with StreamLoad(server.url, num_threads=4) as load:
+            wait_for(lambda: load.num_ok >= 4, 60, "the load to get going")
+            os.kill(coordinator, signal.SIGKILL)
+            os.kill(pids[1], signal.SIGKILL)
+            wait_for(lambda: "while the coordinator is away" in server.log(), 30, "the API servers to drop rank 1")
+            done = load.num_ok
+            wait_for(lambda: load.num_ok >= done + 8, 60, "the load to go on, on rank 0")
+            wait_for(lambda: _serving_ranks(server.url) == [0, 1], 90, "rank 1 to serve again")
+        assert load.failures == [], load.failures[:5]
+        # every API server follows the new coordinator once it has re-registered (it retries every 5 s)
+        after = wait_for(lambda: (p := _engine_pids(server)).get(1) not in (None, pids[1]) and p, 30, "new pid")
+        assert after[0] == pids[0]
+    finally:
+        serve_factory.close()

@@ -75,6 +75,7 @@ async def _coordinator_ctx(app: web.Application) -> AsyncIterator[None]:
         return
     client = CoordinatorClient(settings, state.apply_topology, state.apply_snapshot, stats=state.frontend_stats)
     state.pool.on_start_wave = client.request_start_wave
+    state.pool.is_coordinator_away = client.is_away
     app[COORDINATOR_KEY] = client
     try:
         await client.register()

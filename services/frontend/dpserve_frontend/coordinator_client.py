@@ -142,6 +142,11 @@ class CoordinatorClient:
                 log.exception("%s failed; restarting it", loop_fn.__name__)
                 await asyncio.sleep(1.0)
 
+    def is_away(self) -> bool:
+        """No broadcast (or ack) for COORDINATOR_SILENCE_S: it is gone or restarting."""
+        heard = self.last_heard_s
+        return heard is None or time.monotonic() - heard > self._settings.coordinator_silence_s
+
     def request_start_wave(self, request: StartWaveRequest) -> None:
         self._control.send_multipart(frames(self.guard.deployment_id, request))
 

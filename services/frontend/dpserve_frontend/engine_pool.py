@@ -51,6 +51,7 @@ from dpserve_shared.schema import (
 )
 from dpserve_shared.waves import FrontendWaves
 
+from dpserve_frontend.engine_liveness import enable_heartbeats, watch_connection
 from dpserve_frontend.router import AdmissionLimits, NoEngineAvailable, Router
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class _EngineConn:
     socket: zmq.asyncio.Socket
     state: EngineState
     recv_task: asyncio.Task | None = None
+    watch_task: asyncio.Task | None = None  # engine_liveness.watch_connection: drops it while the coordinator is away
     sync: zmq.Socket | None = None  # a synchronous shadow of `socket`: non-blocking receives without futures
 
 
@@ -118,6 +120,8 @@ class EnginePool:
         self.on_start_wave = on_start_wave
         self._on_resend = on_resend
         self.migration_limit = migration_limit
+        # Set by the coordinator link: whether the coordinator's broadcast has gone silent (engine_liveness.py)
+        self.is_coordinator_away: Callable[[], bool] = lambda: False
         # The wave the coordinator last published, and whether the engines looked paused (dpserve_shared.waves).
         self.waves = FrontendWaves()
 
@@ -178,16 +182,28 @@ class EnginePool:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
+        enable_heartbeats(socket)
         socket.connect(input_addr)
         conn = _EngineConn(rank, input_addr, socket, EngineState.READY, sync=zmq.Socket.shadow(socket.underlying))
-        conn.recv_task = asyncio.get_running_loop().create_task(self._recv_loop(conn), name=f"engine-recv-{rank}")
+        loop = asyncio.get_running_loop()
+        conn.recv_task = loop.create_task(self._recv_loop(conn), name=f"engine-recv-{rank}")
+        conn.watch_task = loop.create_task(
+            watch_connection(socket, self.is_coordinator_away, lambda reason: self._drop_unreachable(conn, reason)),
+            name=f"engine-watch-{rank}",
+        )
         self._engines[rank] = conn
         log.info("connected to engine rank %d at %s", rank, input_addr)
 
+    def _drop_unreachable(self, conn: _EngineConn, reason: str) -> None:
+        if self._engines.get(conn.rank) is conn:
+            conn.watch_task = None  # it is the caller, and returns
+            self._drop(conn.rank, reason)
+
     def _drop(self, rank: int, reason: str) -> None:
         conn = self._engines.pop(rank)
-        if conn.recv_task is not None:
-            conn.recv_task.cancel()
+        for task in (conn.recv_task, conn.watch_task):
+            if task is not None:
+                task.cancel()
         self._take_queued(conn, frontend_decoder().decode)  # a drained rank's last outputs still arrive
         conn.socket.close(linger=0)
         self._router.set_serving(self._ready_ranks())
@@ -344,7 +360,8 @@ class EnginePool:
         self.abort(list(self._in_flight))
         for rank in list(self._engines):
             conn = self._engines.pop(rank)
-            if conn.recv_task is not None:
-                conn.recv_task.cancel()
+            for task in (conn.recv_task, conn.watch_task):
+                if task is not None:
+                    task.cancel()
             conn.socket.close(linger=500)
         self._router.set_serving([])
