@@ -8,6 +8,8 @@ again while one random serving rank is hit every --fault-interval-s:
   kill    SIGKILL to the rank's engine process (a crash, an OOM kill)
   stop    SIGSTOP to it (a hang: the coordinator finds it silent, kills and replaces it)
   actor   SIGKILL to the Ray worker that hosts the rank (its actor dies; ray backend only)
+  coordinator  SIGKILL to the coordinator (`dpserve serve` restarts it; it re-attaches to the running engines):
+          its timeline is that of the API servers' view (/status.json's coordinator.reachable), "rank" is -1
 
 A request is ok (its stream ended with [DONE] and no error event), failed (an HTTP error, an error event, a
 stream cut short), or hung (no byte for --hung-s, or no end by the phase's deadline + --hung-s). Each fault's
@@ -39,7 +41,7 @@ import urllib.request
 
 import orjson
 
-FAULTS = ("kill", "stop", "actor")
+FAULTS = ("kill", "stop", "actor", "coordinator")
 
 
 @dataclasses.dataclass
@@ -91,9 +93,8 @@ def _get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict]:
         return 0, {}
 
 
-def engine_pid(rpc_port: int, rank: int) -> int | None:
-    """The engine process of `rank` in the deployment whose coordinator listens on `rpc_port` (this host only)."""
-    want = f"--coordinator\0tcp://127.0.0.1:{rpc_port}\0"
+def _find_process(*parts: str) -> int | None:
+    """The first process on this host whose command line (NUL-separated) contains every one of `parts`."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -102,9 +103,20 @@ def engine_pid(rpc_port: int, rank: int) -> int | None:
                 cmdline = f.read().decode(errors="replace")
         except OSError:
             continue
-        if "dpserve_engine.service" in cmdline and want in cmdline and f"\0--rank\0{rank}\0" in cmdline:
+        if all(part in cmdline for part in parts):
             return int(entry)
     return None
+
+
+def engine_pid(rpc_port: int, rank: int) -> int | None:
+    """The engine process of `rank` in the deployment whose coordinator listens on `rpc_port` (this host only)."""
+    return _find_process("dpserve_engine.service", f"--coordinator\0tcp://127.0.0.1:{rpc_port}\0",
+                         f"\0--rank\0{rank}\0")  # fmt: skip
+
+
+def coordinator_pid(rpc_port: int) -> int | None:
+    """The coordinator process listening on `rpc_port` (this host only)."""
+    return _find_process("dpserve_coordinator.main", f"--data-parallel-rpc-port\0{rpc_port}\0")
 
 
 def _parent_pid(pid: int) -> int:
@@ -251,6 +263,9 @@ async def inject_faults(args, deployment: Deployment, faults: list[Fault], start
     while next_at < end:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
         next_at += args.fault_interval_s
+        if args.fault == "coordinator":
+            followers.append(_kill_coordinator(deployment, faults, started, end))
+            continue
         serving = await asyncio.to_thread(deployment.serving_ranks)
         pids = {r: engine_pid(deployment.rpc_port, r) for r in serving}
         candidates = [r for r, pid in pids.items() if pid is not None]
@@ -266,6 +281,35 @@ async def inject_faults(args, deployment: Deployment, faults: list[Fault], start
         _log(f"{args.fault}: rank {rank} (pid {target}) at {fault.at_s:.1f} s")
         followers.append(asyncio.ensure_future(_follow(deployment, fault, started, end + 120)))
     await asyncio.gather(*followers)
+
+
+def _kill_coordinator(deployment: Deployment, faults: list[Fault], started: float, end: float):
+    pid = coordinator_pid(deployment.rpc_port)
+    if pid is None:
+        _log("no coordinator process found on this host: skipped")
+        return asyncio.sleep(0)
+    os.kill(pid, signal.SIGKILL)
+    fault = Fault(-1, "coordinator", pid, time.monotonic() - started)
+    faults.append(fault)
+    _log(f"coordinator: SIGKILL to pid {pid} at {fault.at_s:.1f} s")
+    return asyncio.ensure_future(_follow_coordinator(deployment, fault, started, end + 120))
+
+
+async def _follow_coordinator(deployment: Deployment, fault: Fault, started: float, give_up: float) -> None:
+    """Down: an API server says the coordinator is unreachable; back: it is reachable again, with a new pid."""
+    fault_at = started + fault.at_s
+    while time.monotonic() < give_up:
+        status = (await asyncio.to_thread(_get_json, deployment.url + "/status.json", 2.0))[1]
+        reachable = status.get("coordinator", {}).get("reachable", False)
+        now = time.monotonic()
+        if not reachable and fault.down_after_s is None:
+            fault.down_after_s = now - fault_at
+        new_pid = coordinator_pid(deployment.rpc_port)
+        if reachable and new_pid not in (None, fault.pid):
+            fault.recovery_s = now - fault_at
+            _log(f"coordinator: reachable again {fault.recovery_s:.1f} s after the kill (pid {new_pid})")
+            return
+        await asyncio.sleep(0.1)
 
 
 async def _follow(deployment: Deployment, fault: Fault, started: float, give_up: float) -> None:
