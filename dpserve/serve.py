@@ -33,7 +33,13 @@ import urllib.error
 import urllib.request
 
 from dpserve_coordinator import settings as coordinator_settings
-from dpserve_frontend.settings import FrontendSettings, add_migration_flag, read_chat_template
+from dpserve_frontend.settings import (
+    FrontendSettings,
+    add_http_limit_flags,
+    add_migration_flag,
+    http_limit_argv,
+    read_chat_template,
+)
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
 from dpserve_shared.status import API_KEY_ENV
@@ -69,6 +75,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
     add_migration_flag(parser)
+    add_http_limit_flags(parser)
     add_engine_flags(parser)
 
 
@@ -159,6 +166,7 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         cmd += ["--strict-request-fields"]
     if args.migration_limit != FrontendSettings.migration_limit:
         cmd += ["--migration-limit", str(args.migration_limit)]
+    cmd += http_limit_argv(args)
     if args.chat_template:
         cmd += ["--chat-template", args.chat_template]
     if ready_file:

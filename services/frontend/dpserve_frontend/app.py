@@ -16,7 +16,7 @@ from dpserve_shared.status_http import StatusRoutes
 
 from dpserve_frontend import api_admin, api_chat, api_completions, api_misc
 from dpserve_frontend.coordinator_client import CoordinatorClient
-from dpserve_frontend.errors import Unauthorized, error_middleware
+from dpserve_frontend.errors import BadRequest, RequestTimeout, Unauthorized, error_middleware, request_too_large
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.state import FrontendState
 
@@ -59,12 +59,55 @@ def _auth_middleware(api_key: str):
     async def check_api_key(request: web.Request, handler):
         guarded = request.path.startswith("/v1/") or request.path in api_admin.ADMIN_PATHS
         if guarded and request.method != "OPTIONS":
-            given = request.headers.get("Authorization", "").encode()
+            # surrogateescape: aiohttp keeps a header's non-UTF-8 bytes as lone surrogates; compare the bytes sent
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 raise Unauthorized("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.")
         return await handler(request)
 
     return check_api_key
+
+
+def _read_body_middleware(max_bytes: int, timeout_s: float):
+    """Reads every request body before its handler (and after the API key check), within --max-request-body-bytes
+    and --request-body-timeout: no handler waits on a slow or endless body, and none sees one over the limit.
+    aiohttp keeps the bytes; the handler's `request.read()` returns them."""
+
+    @web.middleware
+    async def read_body(request: web.Request, handler):
+        if request.body_exists and request.match_info.http_exception is None:
+            await _read_bounded(request, max_bytes, timeout_s)
+        return await handler(request)
+
+    return read_body
+
+
+async def _read_bounded(request: web.Request, max_bytes: int, timeout_s: float) -> None:
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise request_too_large(max_bytes)  # before reading a byte of it
+    try:
+        async with asyncio.timeout(timeout_s):
+            await request.read()  # a chunked body that grows past client_max_size (= max_bytes) raises
+    except TimeoutError:
+        raise RequestTimeout(
+            f"The request body did not arrive within {timeout_s:g} s; send it faster, or start the server with a "
+            "larger --request-body-timeout."
+        ) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise request_too_large(max_bytes) from None
+    except web.RequestPayloadError as e:  # broken chunked framing, a Content-Encoding that does not decode
+        raise BadRequest(f"The request body could not be read: {e}") from None
+
+
+def server_options(settings: FrontendSettings) -> dict:
+    """aiohttp's per-connection options (AppRunner / TestServer keyword arguments).
+
+    aiohttp has no timeout of its own for reading a request head. Its keep-alive timer is one: armed when a
+    connection opens and after each response, it closes the connection if by then the handler is still waiting for
+    a complete request head, whether none came (idle) or one is trickling in (slowloris); it does nothing while a
+    handler runs. So `keepalive_timeout` = --request-header-timeout bounds both. The body has its own timeout
+    (`_read_body_middleware`)."""
+    return {"keepalive_timeout": settings.request_header_timeout_s}
 
 
 async def _coordinator_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -134,7 +177,8 @@ def init_app(settings: FrontendSettings, model_info: ModelInfo | None = None) ->
     middlewares = [count_requests, error_middleware]
     if settings.api_key:
         middlewares.append(_auth_middleware(settings.api_key))
-    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    middlewares.append(_read_body_middleware(settings.max_request_body_bytes, settings.request_body_timeout_s))
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_body_bytes)
     app[STATE_KEY] = FrontendState(settings, model_info)
     app.cleanup_ctx.append(_coordinator_ctx)
     app.cleanup_ctx.append(_engines_ctx)  # closed before the coordinator link: aborts go out, then Unregister

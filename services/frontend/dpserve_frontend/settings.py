@@ -33,6 +33,10 @@ class FrontendSettings:
     migration_limit: int = 3  # moves of one request to another rank after its rank died (engine_pool.py)
     ready_file: str | None = None  # written once this frontend follows the broadcasts and sees every rank serve
     chat_template: str | None = None  # --chat-template: replaces the model's own (the template's text)
+    # Hostile or broken clients (add_http_limit_flags says why these defaults).
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    request_header_timeout_s: float = 60.0
+    request_body_timeout_s: float = 60.0
 
 
 def add_migration_flag(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +45,52 @@ def add_migration_flag(parser: argparse.ArgumentParser) -> None:
                         help="how many times a request moves to another rank when its rank dies: a started stream "
                              "goes on as its continuation (prompt + the tokens so far), with no gap or repeat; 0: a "
                              "started stream ends with an error event instead (default: %(default)s)")
+
+
+def add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The limits on what one HTTP client may cost an API server, for the frontend and for `dpserve serve`."""
+    defaults = FrontendSettings
+    parser.add_argument("--max-request-body-bytes", type=_positive_int, default=defaults.max_request_body_bytes,
+                        metavar="BYTES",
+                        help="larger request bodies get a 413; the default (8 MiB) holds a full context of token "
+                             "ids many times over while bounding what each request can make the server buffer "
+                             "(default: %(default)s)")
+    parser.add_argument("--request-header-timeout", type=_positive_float, default=defaults.request_header_timeout_s,
+                        metavar="SECONDS",
+                        help="a connection that has not sent a whole request head this long after it opened (or "
+                             "after its previous response) is closed: slow-header clients hold nothing for long, "
+                             "and neither does an idle keep-alive connection (default: %(default)s)")
+    parser.add_argument("--request-body-timeout", type=_positive_float, default=defaults.request_body_timeout_s,
+                        metavar="SECONDS",
+                        help="a request whose body has not fully arrived this long after its head gets a 408 and "
+                             "its connection is closed (default: %(default)s)")
+
+
+def http_limit_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of add_http_limit_flags that differ from their defaults, for a frontend's command line."""
+    defaults = FrontendSettings
+    argv = []
+    if args.max_request_body_bytes != defaults.max_request_body_bytes:
+        argv += ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    if args.request_header_timeout != defaults.request_header_timeout_s:
+        argv += ["--request-header-timeout", repr(args.request_header_timeout)]
+    if args.request_body_timeout != defaults.request_body_timeout_s:
+        argv += ["--request-body-timeout", repr(args.request_body_timeout)]
+    return argv
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -100,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
     add_migration_flag(parser)
+    add_http_limit_flags(parser)
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file (or the template itself) replacing the model's own, as "
                              "vLLM's --chat-template (default: the model's)")
@@ -136,5 +187,8 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         migration_limit=args.migration_limit,
         deployment_id=args.deployment_id,
         chat_template=chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_header_timeout_s=args.request_header_timeout,
+        request_body_timeout_s=args.request_body_timeout,
         **kwargs,
     )
