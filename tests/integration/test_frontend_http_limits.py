@@ -202,6 +202,7 @@ MALFORMED = [
     (COMPLETIONS, b"null", 400, None),
     (COMPLETIONS, b'"hi"', 400, None),
     (COMPLETIONS, b"{", 400, None),
+    (COMPLETIONS, b'{"prompt": "hi", "bogus": 1, "n": tru}', 400, None),  # malformed after an unknown field
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     (CHAT, {"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, 400, "messages[0].content[0].type"),
@@ -242,6 +243,11 @@ def test_wrong_content_type_unknown_url_and_wrong_method(model_info):
                                              headers={"Content-Type": content_type})
                 status, got = await _json(response)
                 assert status == 415 and _assert_error_object(got, status)
+            for encoding in ("gzip", "br", "x"):  # not decompressed (no decompression bombs): refused
+                response = await client.post(COMPLETIONS, data=b'{"prompt": "hi"}',
+                                             headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+                status, got = await _json(response)
+                assert status == 415 and _assert_error_object(got, status)["param"] == "Content-Encoding"
             status, got = await _json(await client.get("/v1/nope"))
             assert status == 404 and _assert_error_object(got, status)["code"] == "unknown_url"
             assert "/v1/nope" in got["error"]["message"]

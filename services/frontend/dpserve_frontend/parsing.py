@@ -66,9 +66,11 @@ def decode_body(body: bytes, struct: type, strict: bool = False) -> Any:
         raise BadRequest(f"We could not parse the JSON body of your request: {e}") from None
     except RecursionError:
         raise _too_deep() from None
-    try:
+    try:  # the typed decode stopped at an unknown field: what follows it may be malformed or too deep
         return _decode_ignoring_unknown(body, struct)
-    except RecursionError:  # the typed decode stopped at an unknown field before the deep part
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"We could not parse the JSON body of your request: {e}") from None
+    except RecursionError:
         raise _too_deep() from None
 
 
