@@ -36,6 +36,8 @@ from dpserve_frontend.settings import (
     add_admission_flags,
     add_migration_flag,
     add_shutdown_timeout_flag,
+    add_http_limit_flags,
+    http_limit_argv,
     read_chat_template,
 )
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
@@ -71,6 +73,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_migration_flag(parser)
     add_admission_flags(parser)
     add_shutdown_timeout_flag(parser)
+    add_http_limit_flags(parser)
     add_engine_flags(parser)
 
 
@@ -161,6 +164,7 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         cmd += ["--strict-request-fields"]
     if args.migration_limit != FrontendSettings.migration_limit:
         cmd += ["--migration-limit", str(args.migration_limit)]
+    cmd += http_limit_argv(args)
     if args.chat_template:
         cmd += ["--chat-template", args.chat_template]
     if args.max_num_queued_requests is not None:

@@ -78,10 +78,10 @@ class StatusRoutes:
     def _authorized(self, request: web.Request) -> bool:
         if self._expected is None:
             return True
-        given = request.query.get("key", "").encode()
+        given = request.query.get("key", "").encode("utf-8", "surrogateescape")
         header = request.headers.get("Authorization", "")
         if header.startswith("Bearer "):
-            given = header[len("Bearer "):].encode()
+            given = header[len("Bearer "):].encode("utf-8", "surrogateescape")  # non-UTF-8 bytes as sent
         return hmac.compare_digest(given, self._expected)
 
     @staticmethod

@@ -153,12 +153,14 @@ async def frontend_client(model_info, engines=(), **settings_kwargs):
     """An aiohttp test client for a frontend app with no coordinator, connected to `engines`."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from dpserve_frontend.app import STATE_KEY, init_app
+    from dpserve_frontend.app import STATE_KEY, init_app, server_options
     from dpserve_frontend.settings import FrontendSettings
 
     settings = FrontendSettings(frontend_id="fe-test", stats_interval_s=0, **settings_kwargs)
     app = init_app(settings, model_info=model_info)
-    client = TestClient(TestServer(app, handler_cancellation=True))
+    server = TestServer(app)
+    await server.start_server(**server_options(settings))  # (TestServer() drops its own keyword arguments)
+    client = TestClient(server)
     await client.start_server()
     try:
         if engines:

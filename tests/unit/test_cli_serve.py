@@ -186,3 +186,18 @@ def test_chat_template_file_replaces_the_models_own(tmp_path):
     for bad, message in ((str(tmp_path / "missing.jinja"), "no such file"), ("{% for %}", "line 1")):
         with pytest.raises(serve.UsageError, match=message):
             serve.validate(serve_args("--chat-template", bad))
+
+
+def test_http_limit_flags_reach_every_api_server():
+    from dpserve_frontend import settings as frontend_settings
+
+    default = frontend_settings.settings_from_args(serve.frontend_command(serve_args())[3:])
+    assert (default.max_request_body_bytes, default.request_header_timeout_s, default.request_body_timeout_s) == (
+        8 * 1024 * 1024, 60.0, 60.0)
+    args = serve_args("--max-request-body-bytes", "1024", "--request-header-timeout", "2.5",
+                      "--request-body-timeout", "7")
+    parsed = frontend_settings.settings_from_args(serve.frontend_command(args)[3:])
+    assert (parsed.max_request_body_bytes, parsed.request_header_timeout_s, parsed.request_body_timeout_s) == (
+        1024, 2.5, 7.0)
+    with pytest.raises(SystemExit):
+        serve_args("--request-body-timeout", "0")

@@ -16,7 +16,16 @@ from dpserve_shared.status_http import StatusRoutes
 
 from dpserve_frontend import api_admin, api_chat, api_completions, api_misc
 from dpserve_frontend.coordinator_client import CoordinatorClient
-from dpserve_frontend.errors import Unauthorized, error_middleware
+from dpserve_frontend.errors import (
+    APIError,
+    BadRequest,
+    RequestTimeout,
+    Unauthorized,
+    UnsupportedMediaType,
+    error_middleware,
+    error_response,
+    request_too_large,
+)
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.state import FrontendState
 
@@ -24,6 +33,7 @@ log = logging.getLogger(__name__)
 
 STATE_KEY = web.AppKey("state", FrontendState)
 COORDINATOR_KEY = web.AppKey("coordinator", CoordinatorClient)
+LINGER_S = 2.0  # see server_options
 
 Handler = Callable[[web.Request, FrontendState], Awaitable[web.StreamResponse]]
 
@@ -59,12 +69,73 @@ def _auth_middleware(api_key: str):
     async def check_api_key(request: web.Request, handler):
         guarded = request.path.startswith("/v1/") or request.path in api_admin.ADMIN_PATHS
         if guarded and request.method != "OPTIONS":
-            given = request.headers.get("Authorization", "").encode()
+            # surrogateescape: aiohttp keeps a header's non-UTF-8 bytes as lone surrogates; compare the bytes sent
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 raise Unauthorized("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.")
         return await handler(request)
 
     return check_api_key
+
+
+def _read_body_middleware(max_bytes: int, timeout_s: float):
+    """Reads every request body before its handler (and after the API key check), within --max-request-body-bytes
+    and --request-body-timeout: no handler waits on a slow or endless body, and none sees one over the limit.
+    aiohttp keeps the bytes; the handler's `request.read()` returns them."""
+
+    @web.middleware
+    async def read_body(request: web.Request, handler):
+        if request.body_exists and request.match_info.http_exception is None:
+            try:
+                await _read_bounded(request, max_bytes, timeout_s)
+            except APIError as e:
+                # The body may be partly unread: this connection carries no further request.
+                response = error_response(e)
+                response.force_close()
+                return response
+        return await handler(request)
+
+    return read_body
+
+
+async def _read_bounded(request: web.Request, max_bytes: int, timeout_s: float) -> None:
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # server_options: aiohttp does not decompress (no decompression bombs)
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed",
+                                   param="Content-Encoding", code="unsupported_content_encoding")
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise request_too_large(max_bytes)  # before reading a byte of it
+    try:
+        async with asyncio.timeout(timeout_s):
+            await request.read()  # a chunked body that grows past client_max_size (= max_bytes) raises
+    except TimeoutError:
+        raise RequestTimeout(
+            f"The request body did not arrive within {timeout_s:g} s; send it faster, or start the server with a "
+            "larger --request-body-timeout."
+        ) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise request_too_large(max_bytes) from None
+    except web.RequestPayloadError as e:  # broken chunked framing, a body cut short of its Content-Length
+        raise BadRequest(f"The request body could not be read: {e}") from None
+
+
+def server_options(settings: FrontendSettings) -> dict:
+    """aiohttp's per-connection options (AppRunner / TestServer keyword arguments).
+
+    aiohttp has no timeout of its own for reading a request head. Its keep-alive timer is one: armed when a
+    connection opens and after each response, it closes the connection if by then the handler is still waiting for
+    a complete request head, whether none came (idle) or one is trickling in (slowloris); it does nothing while a
+    handler runs. So `keepalive_timeout` = --request-header-timeout bounds both. The body has its own timeout
+    (`_read_body_middleware`).
+
+    After an answer given before the body was read (a 408, a 413, a 401), aiohttp reads and drops the rest of the
+    body for up to `lingering_time` before it closes, so that the client sees the answer rather than a reset; its
+    10 s default would let each slow client hold its connection 10 s past --request-body-timeout.
+
+    Compressed request bodies are refused (415), not decompressed: OpenAI clients do not compress requests, and
+    aiohttp's own answer to an encoding it cannot decode is a plain-text 400 before the app sees the request."""
+    return {"keepalive_timeout": settings.request_header_timeout_s, "auto_decompress": False,
+            "lingering_time": LINGER_S}
 
 
 async def _coordinator_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -135,7 +206,8 @@ def init_app(settings: FrontendSettings, model_info: ModelInfo | None = None) ->
     middlewares = [count_requests, error_middleware]
     if settings.api_key:
         middlewares.append(_auth_middleware(settings.api_key))
-    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    middlewares.append(_read_body_middleware(settings.max_request_body_bytes, settings.request_body_timeout_s))
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_body_bytes)
     app[STATE_KEY] = FrontendState(settings, model_info)
     app.cleanup_ctx.append(_coordinator_ctx)
     app.cleanup_ctx.append(_engines_ctx)  # closed before the coordinator link: aborts go out, then Unregister

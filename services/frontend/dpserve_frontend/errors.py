@@ -47,6 +47,36 @@ class ModelNotFound(NotFound):
     default_code = "model_not_found"
 
 
+class MethodNotAllowed(APIError):
+    status = 405
+    error_type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class RequestTimeout(APIError):
+    """The client sent its body too slowly (--request-body-timeout)."""
+
+    status = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
+class RequestTooLarge(APIError):
+    """The body is over --max-request-body-bytes."""
+
+    status = 413
+    error_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+def request_too_large(max_bytes: int | None) -> RequestTooLarge:
+    limit = f" ({max_bytes} bytes)" if max_bytes is not None else ""
+    return RequestTooLarge(
+        f"The request body is larger than this server accepts{limit}. Send a smaller request, or start the server "
+        "with a larger --max-request-body-bytes."
+    )
+
+
 class UnsupportedMediaType(APIError):
     status = 415
     error_type = "invalid_request_error"
@@ -81,9 +111,11 @@ class EngineError(APIError):
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> web.Response:
     headers = headers or getattr(error, "headers", None)  # RetryLater's Retry-After
-    return web.Response(
-        body=orjson.dumps(error.to_dict()), status=error.status, content_type="application/json", headers=headers
-    )
+    try:
+        body = orjson.dumps(error.to_dict())
+    except TypeError:  # a message quoting what the client sent, with a character JSON cannot carry (a lone surrogate)
+        body = orjson.dumps({"error": {**error.to_dict()["error"], "message": ascii(error.message)}})
+    return web.Response(body=body, status=error.status, content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -93,16 +125,33 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except APIError as e:
         return error_response(e)
+    except web.HTTPRequestEntityTooLarge:  # aiohttp's own cap (client_max_size = --max-request-body-bytes)
+        return error_response(request_too_large(None))  # app.read_body names the limit; this is a safety net
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        error = APIError(e.text if e.text and not e.text.startswith(f"{e.status}:") else (e.reason or "error"))
-        error.status = e.status
-        if e.status < 500:
-            error.error_type = "invalid_request_error"
-        return error_response(error)
+        return error_response(_from_http_exception(request, e), headers=_allow_header(e))
     except ConnectionResetError:
         raise  # the client went away; nobody to answer
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(APIError("internal server error"))
+
+
+def _from_http_exception(request: web.Request, e: web.HTTPException) -> APIError:
+    """aiohttp's own errors (no route: 404, wrong method: 405, ...) as OpenAI error objects."""
+    if isinstance(e, web.HTTPNotFound):
+        return NotFound(f"Invalid URL ({request.method} {request.path})", code="unknown_url")
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        return MethodNotAllowed(f"{request.method} is not allowed on {request.path} (allowed: {allowed})")
+    error = APIError(e.text if e.text and not e.text.startswith(f"{e.status}:") else (e.reason or "error"))
+    error.status = e.status
+    if e.status < 500:
+        error.error_type = "invalid_request_error"
+    return error
+
+
+def _allow_header(e: web.HTTPException) -> dict[str, str] | None:
+    allow = e.headers.get("Allow")
+    return {"Allow": allow} if allow else None

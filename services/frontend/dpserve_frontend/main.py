@@ -12,6 +12,7 @@ import signal
 import sys
 
 import uvloop
+from aiohttp.http_exceptions import HttpProcessingError
 
 from dpserve_frontend.server import ApiServer
 from dpserve_frontend.settings import FrontendSettings, settings_from_args
@@ -38,6 +39,14 @@ async def serve(settings: FrontendSettings) -> None:
     await server.run()
 
 
+def _unparsable_requests_at_debug(record: logging.LogRecord) -> bool:
+    """aiohttp logs every request it cannot parse (garbage or TLS on the HTTP port, a header over its limits) as an
+    ERROR with a traceback, so any client could fill the log; the client gets its 400, the log gets nothing
+    (unless --log-level debug)."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not isinstance(error, HttpProcessingError) or logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
 def main(argv: list[str] | None = None) -> None:
     settings = settings_from_args(argv)
     logging.basicConfig(
@@ -46,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").addFilter(_unparsable_requests_at_debug)
     log.debug("settings: %s", settings)  # the API key is excluded from the repr
     uvloop.run(serve(settings))
 

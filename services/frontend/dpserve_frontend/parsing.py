@@ -64,7 +64,21 @@ def decode_body(body: bytes, struct: type, strict: bool = False) -> Any:
             raise _bad_request(e) from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"We could not parse the JSON body of your request: {e}") from None
-    return _decode_ignoring_unknown(body, struct)
+    except RecursionError:
+        raise _too_deep() from None
+    try:  # the typed decode stopped at an unknown field: what follows it may be malformed or too deep
+        return _decode_ignoring_unknown(body, struct)
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"We could not parse the JSON body of your request: {e}") from None
+    except RecursionError:
+        raise _too_deep() from None
+
+
+def _too_deep() -> BadRequest:
+    """msgspec stops at Python's recursion limit (about 1,000 levels) with a RecursionError, after reading no more
+    than that many bytes: refusing 100,000 nested '[' costs microseconds."""
+    return BadRequest("We could not parse the JSON body of your request: it is nested too deeply",
+                      code="json_too_deep")
 
 
 def _decode_ignoring_unknown(body: bytes, struct: type) -> Any:
@@ -94,8 +108,10 @@ def _decode_ignoring_unknown(body: bytes, struct: type) -> Any:
 
 
 def _param(text: str) -> str | None:
+    """The parameter at a msgspec error path: `messages[0].content`; a map's value (`metadata[...]`, msgspec does
+    not say which key) is named by its map (`metadata`)."""
     match = _PATH.search(text)
-    return match.group(1) if match else None
+    return match.group(1).replace("[...]", "") if match else None
 
 
 def _at_path(data: Any, path: str | None) -> Any:
@@ -120,6 +136,10 @@ def _bad_request(e: msgspec.ValidationError) -> BadRequest:
         missing = re.search(r"missing required field `([^`]*)`", text)
         if missing:
             param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+            return BadRequest(f"Missing required parameter: '{param}'", param=param)
     if text.startswith("Expected `object`") and param is None:
         return BadRequest("the request body must be a JSON object")
-    return BadRequest(f"invalid request: {text}", param=param or None)
+    if not param:
+        return BadRequest(f"invalid request: {text}")
+    detail = _PATH.sub("", text).rstrip(" -")
+    return BadRequest(f"Invalid value for '{param}': {detail}", param=param)

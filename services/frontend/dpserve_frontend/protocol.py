@@ -55,7 +55,7 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Int64 | None = None  # the engine clamps it to the vocabulary; bounded so that it fits the wire
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None

@@ -23,7 +23,7 @@ import time
 
 from aiohttp import web
 
-from dpserve_frontend.app import COORDINATOR_KEY, STATE_KEY, init_app
+from dpserve_frontend.app import COORDINATOR_KEY, STATE_KEY, init_app, server_options
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.state import ServerState
 
@@ -59,7 +59,7 @@ class ApiServer:
         settings = self.settings
         runner = web.AppRunner(
             self.app, handler_cancellation=True, shutdown_timeout=HANDLER_GRACE_S, access_log=None,
-            handle_signals=False,
+            handle_signals=False, **server_options(settings),
         )
         loop = asyncio.get_running_loop()
         setup = loop.create_task(runner.setup())  # registers with the coordinator (may wait for it)

@@ -37,6 +37,10 @@ class FrontendSettings:
     # Admission control (router.py): per rank, what may wait in its queue; None = no cap
     max_num_queued_requests: int | None = None
     max_num_queued_tokens: int | None = None
+    # Hostile or broken clients (add_http_limit_flags says why these defaults).
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    request_header_timeout_s: float = 60.0
+    request_body_timeout_s: float = 60.0
 
 
 def add_migration_flag(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +69,36 @@ def add_shutdown_timeout_flag(parser: argparse.ArgumentParser, *aliases: str) ->
                         default=FrontendSettings.shutdown_timeout_s, metavar="SECONDS",
                         help="on SIGTERM, /health answers 503 and new requests 503 at once, and requests in flight "
                              "may finish for this long; then they end with an error (default: %(default)s)")
+def add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The limits on what one HTTP client may cost an API server, for the frontend and for `dpserve serve`."""
+    defaults = FrontendSettings
+    parser.add_argument("--max-request-body-bytes", type=_positive_int, default=defaults.max_request_body_bytes,
+                        metavar="BYTES",
+                        help="larger request bodies get a 413; the default (8 MiB) holds a full context of token "
+                             "ids many times over while bounding what each request can make the server buffer "
+                             "(default: %(default)s)")
+    parser.add_argument("--request-header-timeout", type=_positive_float, default=defaults.request_header_timeout_s,
+                        metavar="SECONDS",
+                        help="a connection that has not sent a whole request head this long after it opened (or "
+                             "after its previous response) is closed: slow-header clients hold nothing for long, "
+                             "and neither does an idle keep-alive connection (default: %(default)s)")
+    parser.add_argument("--request-body-timeout", type=_positive_float, default=defaults.request_body_timeout_s,
+                        metavar="SECONDS",
+                        help="a request whose body has not fully arrived this long after its head gets a 408 and "
+                             "its connection is closed (default: %(default)s)")
+
+
+def http_limit_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of add_http_limit_flags that differ from their defaults, for a frontend's command line."""
+    defaults = FrontendSettings
+    argv = []
+    if args.max_request_body_bytes != defaults.max_request_body_bytes:
+        argv += ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    if args.request_header_timeout != defaults.request_header_timeout_s:
+        argv += ["--request-header-timeout", repr(args.request_header_timeout)]
+    if args.request_body_timeout != defaults.request_body_timeout_s:
+        argv += ["--request-body-timeout", repr(args.request_body_timeout)]
+    return argv
 
 
 def _positive_int(text: str) -> int:
@@ -78,6 +112,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 
@@ -138,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_migration_flag(parser)
     add_admission_flags(parser)
     add_shutdown_timeout_flag(parser, "--drain-timeout")
+    add_http_limit_flags(parser)
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file (or the template itself) replacing the model's own, as "
                              "vLLM's --chat-template (default: the model's)")
@@ -176,5 +218,8 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         migration_limit=args.migration_limit,
         deployment_id=args.deployment_id,
         chat_template=chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_header_timeout_s=args.request_header_timeout,
+        request_body_timeout_s=args.request_body_timeout,
         **kwargs,
     )
