@@ -311,7 +311,8 @@ REFUSALS = RefusalLog()  # the process's: one rate limit for all its server sock
 
 
 def _peer_of(fd: int) -> str:
-    """The address of the TCP peer on `fd` (a connection libzmq just accepted), or "an unknown peer"."""
+    """The address of the TCP peer on `fd` (a connection libzmq just accepted), or "an unknown peer" when it is
+    gone already (a peer without CURVE is refused within a round trip, maybe before this thread runs)."""
     try:
         sock = socket.socket(fileno=fd)
     except OSError:
