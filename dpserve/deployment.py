@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dpserve.ray_head import RayHead, ray_env
 from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
 from dpserve_shared.status import API_KEY_ENV
+from dpserve_shared.zmq_security import CLUSTER_KEY_ENV
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -108,6 +109,7 @@ class Server:
         self.deployment_id = deployment_id_from_env() or new_deployment_id()
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
+        env.pop(CLUSTER_KEY_ENV, None)  # the Ray instance has no use for it; the coordinator and API servers get it
         if args.api_key:
             env[API_KEY_ENV] = args.api_key  # not on a command line: `ps` shows those to every user
         self.ray_head: RayHead | None = None
@@ -128,6 +130,7 @@ class Server:
             cmd = coordinator_command(coordinator_args, self.ready_file, self.deployment_id)
             return cmd + (["--reattach-wait-s", str(REATTACH_WAIT_S)] if is_restart else [])
 
+        env = args.zmq_security.child_env(env)  # set by serve.validate(); never on a command line
         self.coordinator = Child("coordinator", coordinator_cmd, dict(env, **{WATCH_PID_ENV: str(os.getpid())}),
                                  self.ready_file)  # fmt: skip
         frontend_env = dict(env, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)

@@ -4,7 +4,8 @@ A DEALER to the coordinator's control socket sends `ScaleRequest(K)`. The coordi
 with the reason, or accepted with its broadcast address), then once more when the step is done. In between this
 command follows the coordinator's Topology broadcasts and prints each change (ranks ready / starting / draining /
 gone). Exit code 0 when the deployment has exactly the ranks 0..K-1 READY, 1 when the coordinator refused or the
-step failed or did not finish within --timeout-s (the step itself goes on), 2 on a usage error.
+step failed or did not finish within --timeout-s (the step itself goes on), 2 on a usage error. It needs the
+deployment's cluster key ($DPSERVE_CLUSTER_KEY or --cluster-key-file; --insecure-zmq for a deployment without).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import zmq
 from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import frames, split
 from dpserve_shared.schema import EngineState, ScaleAck, ScaleRequest, Topology
+from dpserve_shared.zmq_security import ClusterKeyError, add_security_flags, security_from_args
 
 _ANSWER_TIMEOUT_S = 10.0
 
@@ -33,6 +35,7 @@ def add_scale_flags(parser: argparse.ArgumentParser) -> None:
              "(default: the coordinator's, 120)",
     )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting after this long")
+    add_security_flags(parser)
 
 
 def _say(message: str) -> None:
@@ -57,12 +60,19 @@ def scale(args: argparse.Namespace) -> int:
     size = args.data_parallel_size
     started = time.monotonic()
     deadline = started + args.timeout_s
+    try:
+        zmq_security = security_from_args(args, "dpserve scale")
+    except ClusterKeyError as e:
+        _say(str(e))
+        return 2
     decoder = from_coordinator_decoder()
     ctx = zmq.Context()
     control = ctx.socket(zmq.DEALER)
+    zmq_security.client(control)
     control.setsockopt(zmq.IDENTITY, f"scale-{uuid.uuid4().hex[:12]}".encode())
     control.setsockopt(zmq.LINGER, 0)
     sub = ctx.socket(zmq.SUB)
+    zmq_security.client(sub)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     try:
@@ -70,7 +80,8 @@ def scale(args: argparse.Namespace) -> int:
         control.send_multipart(frames("", ScaleRequest(size, drain_timeout_s=args.drain_timeout)))
         if not control.poll(int(_ANSWER_TIMEOUT_S * 1000)):
             _say(f"no answer from the coordinator at {addr} within {_ANSWER_TIMEOUT_S:.0f} s (is it running? "
-                 "give its address with --coordinator or --data-parallel-address/--data-parallel-rpc-port)")
+                 "give its address with --coordinator or --data-parallel-address/--data-parallel-rpc-port; "
+                 "is $DPSERVE_CLUSTER_KEY the key it was started with?)")
             return 1
         envelope = split(control.recv_multipart())
         if envelope is None:

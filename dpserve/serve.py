@@ -12,6 +12,10 @@ signal kills everything at once.
 Each child runs in its own process group (a terminal's Ctrl-C reaches only this process, which then stops the
 children in order) and gets SIGTERM if this process dies (PR_SET_PDEATHSIG).
 
+Every ZMQ socket of the deployment speaks CURVE with one cluster key (dpserve_shared.zmq_security): the one given
+(--cluster-key-file, $DPSERVE_CLUSTER_KEY) or a new one per run. The children get it in their environment, never
+on a command line, and no log line shows it; `--insecure-zmq` turns CURVE off.
+
 The coordinator's flags and their checks are the coordinator's own (dpserve_coordinator.settings): `validate`
 builds the settings the coordinator will build from the command line it is given.
 """
@@ -42,6 +46,7 @@ from dpserve_frontend.settings import (
 )
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.status import API_KEY_ENV
+from dpserve_shared.zmq_security import ClusterKeyError, add_security_flags, security_from_args
 
 _POLL_S = 0.2
 
@@ -71,6 +76,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
     add_migration_flag(parser)
+    add_security_flags(parser)
     add_admission_flags(parser)
     add_shutdown_timeout_flag(parser)
     add_http_limit_flags(parser)
@@ -100,9 +106,14 @@ def validate(args: argparse.Namespace) -> None:
     _check_free(args.data_parallel_address, args.data_parallel_rpc_port, "--data-parallel-rpc-port")  # coordinator's
     if args.status_port is not None:
         _check_free(args.data_parallel_address, args.status_port, "--status-port")
+    try:
+        # --cluster-key-file, $DPSERVE_CLUSTER_KEY, or a new key for this run; passed on in the environment
+        args.zmq_security = security_from_args(args, "dpserve serve", make_one=True)
+    except ClusterKeyError as e:
+        raise UsageError(str(e)) from None
     coordinator_args = coordinator_settings.build_parser().parse_args(coordinator_argv(args))
     try:
-        coordinator_settings.settings_from_args(coordinator_args)
+        coordinator_settings.settings_from_args(coordinator_args, args.zmq_security.child_env(os.environ))
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -131,6 +142,7 @@ def coordinator_argv(args: argparse.Namespace, ready_file: str | None = None, de
         "--engine-stall-timeout-s", str(args.engine_stall_timeout_s),
         *(["--ready-file", ready_file] if ready_file else []),
         *(["--deployment-id", deployment_id] if deployment_id else []),
+        *(["--insecure-zmq"] if args.insecure_zmq else []),  # the key goes in the environment, never here
     ]  # fmt: skip
     optional = {
         "--status-port": args.status_port,
@@ -177,6 +189,8 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         cmd += ["--ready-file", ready_file]
     if deployment_id:
         cmd += ["--deployment-id", deployment_id]
+    if args.insecure_zmq:
+        cmd += ["--insecure-zmq"]  # the key goes in the environment, never here
     if index > 0:
         cmd += ["--stats-interval", "0"]
     return cmd
@@ -240,6 +254,11 @@ def serve(args: argparse.Namespace) -> int:
         f"DP={args.data_parallel_size} on {args.data_parallel_backend}, {args.api_server_count} API server(s) on "
         f"{args.host}:{args.port}, deployment {server.deployment_id}"
     )
+    if args.zmq_security.is_secure:
+        _log(args.zmq_security.describe())
+    else:
+        _log(f"warning: {args.zmq_security.describe()}: anyone who reaches the ports can register, scale or "
+             "stop ranks")
     code = asyncio.run(_Lifecycle(server).run(started))
     _log("stopped")
     return code

@@ -33,6 +33,10 @@ import pytest
 # Engines run eager PyTorch unless a test asks otherwise: compiling the decode step costs ~2 min per engine on a
 # cold cache (tests/model/test_engine_real.py covers the compiled path). Subprocesses inherit it.
 os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
+# Every ZMQ socket speaks CURVE with one cluster key (dpserve_shared.zmq_security): one per test session, in the
+# environment, so that `dpserve serve`, services started by hand, in-process services (their settings' default)
+# and the tests' own peers (ZmqSecurity.from_environment()) all hold it. Subprocesses inherit it.
+os.environ.setdefault("DPSERVE_CLUSTER_KEY", os.urandom(32).hex())
 
 VENV_BIN = os.path.dirname(sys.executable)
 DPSERVE = os.path.join(VENV_BIN, "dpserve")

@@ -14,6 +14,7 @@ from dpserve_engine.service import EngineService
 from dpserve_engine.settings import ServiceSettings
 from dpserve_shared.codec import coordinator_decoder
 from dpserve_shared.envelope import frames, split
+from dpserve_shared.zmq_security import ZmqSecurity
 from dpserve_shared.schema import (
     EngineInfo,
     EngineRequest,
@@ -59,9 +60,11 @@ class _Registrar:
         self._context = zmq.Context()
         self._control = self._context.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
+        ZmqSecurity.from_environment().server(self._control, "control socket")
         self.control_addr = f"tcp://127.0.0.1:{self._control.bind_to_random_port('tcp://127.0.0.1')}"
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        ZmqSecurity.from_environment().server(self._pub, "broadcast socket")
         self.pub_addr = f"tcp://127.0.0.1:{self._pub.bind_to_random_port('tcp://127.0.0.1')}"
         self._decoder = coordinator_decoder()
         self._stop = threading.Event()
@@ -191,12 +194,14 @@ class FakeCoordinator:
         self.deployment_id = f"dep-fake-{id(self):x}"
         self._context = zmq.Context()
         self._control = self._context.socket(zmq.ROUTER)
+        ZmqSecurity.from_environment().server(self._control, "control socket")
         if port is None:
             port = self._control.bind_to_random_port("tcp://127.0.0.1")
         else:
             self._control.bind(f"tcp://127.0.0.1:{port}")
         self.control_addr = f"tcp://127.0.0.1:{port}"
         self._pub = self._context.socket(zmq.PUB)
+        ZmqSecurity.from_environment().server(self._pub, "broadcast socket")
         self.pub_addr = f"tcp://127.0.0.1:{self._pub.bind_to_random_port('tcp://127.0.0.1')}"
         self._outbox: list = []
         self._lock = threading.Lock()

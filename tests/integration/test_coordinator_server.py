@@ -14,6 +14,7 @@ from dpserve_coordinator.server import Coordinator, CoordinatorState
 from dpserve_coordinator.settings import CoordinatorSettings
 from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import frames, split
+from dpserve_shared.zmq_security import ZmqSecurity
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     EngineLoad,
@@ -78,6 +79,7 @@ async def _recv(sock, kind, timeout_s: float = 5.0, deployment_id: str = DEPLOYM
 
 def _dealer(ctx, identity: str, addr: str):
     sock = ctx.socket(zmq.DEALER)
+    ZmqSecurity.from_environment().client(sock)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
@@ -116,6 +118,7 @@ async def _scenario() -> None:
         assert launcher.started == [0]
 
         sub = ctx.socket(zmq.SUB)
+        ZmqSecurity.from_environment().client(sub)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(ack.pub_addr)
         frontend = _dealer(ctx, "fe-1", settings.control_addr)

@@ -25,7 +25,7 @@ def _console_scripts() -> set[str]:
 def _compose_config() -> dict:
     if shutil.which("docker-compose") is None:
         pytest.fail("docker-compose is not installed (Debian package docker-compose; `make system-deps` installs it)")
-    env = dict(os.environ, RAY_AUTH_TOKEN="test-token")
+    env = dict(os.environ, RAY_AUTH_TOKEN="test-token", DPSERVE_CLUSTER_KEY="test-cluster-key")
     result = subprocess.run(
         ["docker-compose", "-f", os.path.join(ROOT, "docker-compose.yml"), "config"],
         capture_output=True, text=True, env=env, timeout=60,
@@ -82,6 +82,24 @@ def test_compose_up_without_a_token_says_so_in_one_line(tmp_path):
     result = subprocess.run([os.path.join(ROOT, "deploy", "compose-up.sh")], capture_output=True, text=True, env=env)
     assert result.returncode == 2 and not (tmp_path / "ran").exists()
     assert len(result.stderr.strip().splitlines()) == 1 and "RAY_AUTH_TOKEN" in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_compose_up_without_a_cluster_key_says_so_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "DPSERVE_CLUSTER_KEY"}
+    env.update(RAY_AUTH_TOKEN="test-token", PATH=f"{tmp_path}:{os.environ['PATH']}")
+    (tmp_path / "docker-compose").write_text("#!/bin/sh\necho ran > \"$(dirname \"$0\")/ran\"\n")
+    (tmp_path / "docker-compose").chmod(0o755)
+    result = subprocess.run([os.path.join(ROOT, "deploy", "compose-up.sh")], capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and not (tmp_path / "ran").exists()
+    assert len(result.stderr.strip().splitlines()) == 1 and "DPSERVE_CLUSTER_KEY" in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_compose_gives_the_coordinator_and_the_frontends_the_cluster_key():
+    config = _compose_config()
+    for name in ("ray-head", "frontend"):
+        assert config["services"][name]["environment"]["DPSERVE_CLUSTER_KEY"] == "test-cluster-key", name
 
 
 @pytest.mark.timeout(60)

@@ -14,6 +14,7 @@ from dpserve_engine.service import EngineService
 from dpserve_engine.settings import ServiceSettings
 from dpserve_shared.codec import coordinator_decoder, encode, frontend_decoder
 from dpserve_shared.envelope import frames, split
+from dpserve_shared.zmq_security import ZmqSecurity
 from dpserve_shared.schema import (
     EngineHello,
     EngineOutputs,
@@ -40,6 +41,8 @@ class FakeCoordinator:
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
+        ZmqSecurity.from_environment().server(self.control, "control socket")
+        ZmqSecurity.from_environment().server(self.pub, "broadcast socket")
         self.control_addr = f"tcp://127.0.0.1:{self.control.bind_to_random_port('tcp://127.0.0.1')}"
         self.pub_addr = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
         self.decoder = coordinator_decoder()
@@ -104,6 +107,7 @@ def register(coordinator, rank: int = 3) -> RegisterEngine:
 
 def frontend(service, ctx, name: bytes):
     sock = ctx.socket(zmq.DEALER)
+    ZmqSecurity.from_environment().client(sock)
     sock.setsockopt(zmq.IDENTITY, name)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(service.input_addr)
@@ -194,6 +198,7 @@ def test_registers_again_when_the_coordinator_goes_silent(coordinator, monkeypat
     identity, again = coordinator.recv(RegisterEngine)
     assert (again.engine_id, again.rank) == (first.engine_id, 1)
     new_pub = coordinator.ctx.socket(zmq.PUB)
+    ZmqSecurity.from_environment().server(new_pub, "broadcast socket")
     new_pub_addr = f"tcp://127.0.0.1:{new_pub.bind_to_random_port('tcp://127.0.0.1')}"
     coordinator.send(identity, RegisterAck(accepted=True, rank=1, pub_addr=new_pub_addr))
     deadline = time.monotonic() + 5

@@ -41,6 +41,7 @@ def engine_command(settings: CoordinatorSettings, rank: int, host: str) -> list[
         host,
         "--deployment-id",
         settings.deployment_id,
+        *settings.zmq_security.child_argv(),  # the key itself goes in the environment: `ps` shows command lines
         *settings.engine_args,
     ]
 
@@ -133,7 +134,7 @@ class MpLauncher(EngineLauncher):
         self._procs: dict[int, subprocess.Popen | _AdoptedProcess] = {}
         # Like Ray's 1-CPU bundles: split the cores between the local engines unless told otherwise.
         num_threads = max(1, (os.cpu_count() or 1) // max(1, settings.data_parallel_size))
-        self._env = dict(os.environ)
+        self._env = settings.zmq_security.child_env(os.environ)
         self._env.setdefault("OMP_NUM_THREADS", str(num_threads))
 
     async def start(self, rank: int) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+
+from dpserve_shared.zmq_security import CLUSTER_KEY_ENV, log_security
 
 from dpserve_coordinator.settings import build_parser, settings_from_args
 
@@ -19,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s", stream=sys.stderr
     )
+    log_security(logging.getLogger("dpserve.coordinator"), settings.zmq_security)
+    # The settings hold the key and the launchers hand it to each engine; a local Ray instance started here (its
+    # raylet, its workers) inherits this environment and has no use for it.
+    os.environ.pop(CLUSTER_KEY_ENV, None)
     from dpserve_coordinator.server import Coordinator  # zmq and the launchers: not needed for --help
 
     return asyncio.run(Coordinator(settings).run())

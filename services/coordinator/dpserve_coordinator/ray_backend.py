@@ -353,7 +353,9 @@ class RayLauncher(EngineLauncher):
         self._actors[rank] = actor
         host = self._settings.data_parallel_address if p.is_on_head else "{node_ip}"
         cmd = engine_command(self._settings, rank, host)
-        pid = await asyncio.wrap_future(actor.start.remote(cmd, env, not p.is_on_head).future())
+        # The key as a method argument: not in a runtime_env, which Ray shows (dashboard, `ray list actors`).
+        overrides = {**env, **self._settings.zmq_security.child_env({})}
+        pid = await asyncio.wrap_future(actor.start.remote(cmd, overrides, not p.is_on_head).future())
         log.info(
             "rank %d: actor %s started engine process pid %d on %s%s",
             rank,

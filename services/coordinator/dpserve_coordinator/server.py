@@ -141,6 +141,8 @@ class Coordinator:
             self._stop_requested.set()
 
     def _bind(self) -> None:
+        self.settings.zmq_security.server(self.control, "control socket")
+        self.settings.zmq_security.server(self.pub, "broadcast socket")
         self.control.setsockopt(zmq.LINGER, 0)
         try:
             self.control.bind(self.settings.control_addr)

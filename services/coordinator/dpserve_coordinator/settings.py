@@ -14,6 +14,7 @@ from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env, new_deployment_id
 from dpserve_shared.status import API_KEY_ENV
 from dpserve_shared.timing import ENGINE_SILENCE_S, ENGINE_STALL_S, FRONTEND_SILENCE_S
+from dpserve_shared.zmq_security import ZmqSecurity, add_security_flags, security_from_args
 
 
 LOCAL_RAY_MAX_RANKS = 8  # ranks a local Ray instance has room for (more if started with more)
@@ -48,6 +49,8 @@ class CoordinatorSettings:
     api_key: str | None = dataclasses.field(default=None, repr=False)  # the status page's key; never logged
     # On every control and broadcast message (envelope.py); handed to the engines this coordinator starts.
     deployment_id: str = dataclasses.field(default_factory=new_deployment_id)
+    # CURVE on the control and broadcast sockets (zmq_security.py); the engines it starts get the key too.
+    zmq_security: ZmqSecurity = dataclasses.field(default_factory=ZmqSecurity.from_environment, repr=False)
 
     @property
     def control_addr(self) -> str:
@@ -117,12 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"this deployment's id, on every control and broadcast message; peers of another id are ignored "
              f"(default: ${DEPLOYMENT_ID_ENV}, else a random one)",
     )
+    add_security_flags(parser)
     add_engine_flags(parser)
     return parser
 
 
-def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
-    """Validate flag combinations; raise ValueError with the message a user should see."""
+def settings_from_args(args: argparse.Namespace, environ=os.environ) -> CoordinatorSettings:
+    """Validate flag combinations; raise ValueError with the message a user should see. `environ`: where
+    $DPSERVE_API_KEY and $DPSERVE_CLUSTER_KEY are read."""
     size = args.data_parallel_size
     size_local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
     if size < 1:
@@ -152,6 +157,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         raise ValueError(f"--data-parallel-rpc-port must be a TCP port, got {args.data_parallel_rpc_port}")
     if args.status_port is not None and not 0 < args.status_port < 65536:
         raise ValueError(f"--status-port must be a TCP port, got {args.status_port}")
+    zmq_security = security_from_args(args, "dpserve-coordinator", environ)
     return CoordinatorSettings(
         data_parallel_size=size,
         data_parallel_size_local=size_local,
@@ -168,6 +174,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         ready_file=args.ready_file,
         status_port=args.status_port,
         reattach_wait_s=args.reattach_wait_s,
-        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None,
+        zmq_security=zmq_security,
         **({"deployment_id": args.deployment_id} if args.deployment_id else {}),
     )

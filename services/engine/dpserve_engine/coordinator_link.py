@@ -63,6 +63,7 @@ class CoordinatorLink:
         self.control = ctx.socket(zmq.DEALER)
         self.broadcast = ctx.socket(zmq.SUB)
         for sock in (self.control, self.broadcast):
+            settings.zmq_security.client(sock)
             sock.setsockopt(zmq.LINGER, 0)
         self.guard = DeploymentGuard(settings.deployment_id, log, "coordinator link")
         self._decoder = from_coordinator_decoder()
@@ -97,7 +98,8 @@ class CoordinatorLink:
                     f"no answer from the coordinator at {self._settings.coordinator_addr} after {waited:.0f} s"
                 )
             if not self.control.poll(REGISTER_POLL_MS):
-                log.info("still waiting for the coordinator at %s (%.0f s)", self._settings.coordinator_addr, waited)
+                log.info("still waiting for the coordinator at %s (%.0f s; is it running, with this cluster key?)",
+                         self._settings.coordinator_addr, waited)
                 continue
             ack = self._recv_control()
             if ack is None:
@@ -213,6 +215,7 @@ class CoordinatorLink:
     def _heartbeat_loop(self) -> None:
         """Heartbeat(engine id) every HEARTBEAT_INTERVAL_S on a DEALER of this thread's own."""
         sock = self._ctx.socket(zmq.DEALER)
+        self._settings.zmq_security.client(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.engine_id}-heartbeat".encode())
         sock.connect(self._settings.coordinator_addr)

@@ -50,6 +50,7 @@ class FrontendLink:
 
     def bind(self) -> str:
         sock = self.frontend_socket
+        self._settings.zmq_security.server(sock, "engine socket")
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop outputs for a slow frontend
         sock.setsockopt(zmq.RCVHWM, 0)

@@ -51,6 +51,7 @@ from dpserve_shared.schema import (
     Topology,
 )
 from dpserve_shared.waves import EngineWaves
+from dpserve_shared.zmq_security import ClusterKeyError, log_security
 
 from dpserve_engine.coordinator_link import CoordinatorLink, RegistrationFailed
 from dpserve_engine.frontend_link import FrontendLink
@@ -289,7 +290,12 @@ def run(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s engine[{args.rank if args.rank >= 0 else '?'}] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ClusterKeyError as e:
+        log.error("%s", e)
+        return 2
+    log_security(log, settings.zmq_security)
     config = config_from_args(args)
     # Signals first: a SIGTERM during the model load must still end the process.
     signal.signal(signal.SIGTERM, _exit_during_startup)

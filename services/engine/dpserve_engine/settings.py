@@ -8,7 +8,9 @@ reads. This module is the only reader of `DPSERVE_*` environment variables in th
 - `DPSERVE_CACHE_DIR`: where kernels, the inductor cache, dequantized weights and model info are kept
   (default ~/.cache/dpserve);
 - `DPSERVE_ENFORCE_EAGER`: any value but "" or "0" makes eager PyTorch the default (the test suite sets it);
-- `DPSERVE_DEPLOYMENT_ID`: the default of --deployment-id (read through `dpserve_shared.envelope`).
+- `DPSERVE_DEPLOYMENT_ID`: the default of --deployment-id (read through `dpserve_shared.envelope`);
+- `DPSERVE_CLUSTER_KEY`: the deployment's cluster key, unless --cluster-key-file or --insecure-zmq (read through
+  `dpserve_shared.zmq_security`; the coordinator puts it in the environment of the engines it starts).
 
 It is also the one place that writes the process environment: `export_inductor_cache_dir`, called by
 EngineCore before anything touches inductor, so the service, `dpserve bench engine` and in-process users of
@@ -24,6 +26,7 @@ import os
 from dpserve_shared.engine_flags import ENGINE_FLAGS, add_engine_flags
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
 from dpserve_shared.timing import ENGINE_DRAIN_S
+from dpserve_shared.zmq_security import ZmqSecurity, add_security_flags, security_from_args
 
 from dpserve_engine.model_files import DEFAULT_MODEL, is_gguf
 
@@ -113,6 +116,8 @@ class ServiceSettings:
     # The process whose exit ends this engine: `dpserve serve` under the mp backend (so that the engine outlives a
     # restarted coordinator); None: the parent process (an EngineHost actor, or whoever started it by hand).
     watch_pid: int | None = None
+    # CURVE on every socket: its ROUTER a server, its links to the coordinator clients (zmq_security.py)
+    zmq_security: ZmqSecurity = dataclasses.field(default_factory=ZmqSecurity.from_environment, repr=False)
 
 
 def export_inductor_cache_dir(config: EngineConfig) -> None:
@@ -151,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the deployment this engine belongs to; control and broadcast messages of any other are ignored "
              f"(default: ${DEPLOYMENT_ID_ENV}, else that of the coordinator that accepts it)",
     )  # fmt: skip
+    add_security_flags(parser)
     add_engine_flags(parser, engine_flag_defaults())
     return parser
 
@@ -162,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
+    """ClusterKeyError (a ValueError naming the flags) without a cluster key or --insecure-zmq."""
     return ServiceSettings(
         coordinator_addr=args.coordinator,
         rank=args.rank,
@@ -171,5 +178,6 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         drain_timeout_s=args.drain_timeout_s,
         deployment_id=args.deployment_id,
         watch_pid=_watch_pid_from_env(),
+        zmq_security=security_from_args(args, "dpserve-engine"),
         adaptive_threads=args.num_threads is None and not args.null_engine and args.device in (None, "cpu"),
     )

@@ -23,6 +23,7 @@ from aiohttp import web
 from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import frames, split
 from dpserve_shared.schema import MAX_DATA_PARALLEL_SIZE, EngineState, ScaleAck, ScaleRequest
+from dpserve_shared.zmq_security import ZmqSecurity
 
 from dpserve_frontend.errors import APIError, BadRequest, ServiceUnavailable
 from dpserve_frontend.parsing import read_request
@@ -57,14 +58,18 @@ async def scale_elastic_ep(request: web.Request, state: FrontendState) -> web.Re
     if not state.settings.coordinator_addr:
         raise ServiceUnavailable("this frontend has no coordinator to scale")
     log.info("scale_elastic_ep: asking the coordinator for %d ranks", req.new_data_parallel_size)
-    ack = await _ask_coordinator(state.settings.coordinator_addr, state.settings.deployment_id, req)
+    ack = await _ask_coordinator(state.settings.coordinator_addr, state.settings.deployment_id, req,
+                                 state.settings.zmq_security)
     return json_response({"message": f"Scaled to {ack.data_parallel_size} data parallel engines"})
 
 
-async def _ask_coordinator(addr: str, deployment_id: str, req: ScaleElasticEpRequest) -> ScaleAck:
+async def _ask_coordinator(
+    addr: str, deployment_id: str, req: ScaleElasticEpRequest, zmq_security: ZmqSecurity
+) -> ScaleAck:
     """ScaleRequest on a DEALER of its own; the first ack (accepted or refused), then the completion."""
     decoder = from_coordinator_decoder()
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    zmq_security.client(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, f"scale-http-{uuid.uuid4().hex[:12]}".encode())
     sock.connect(addr)

@@ -65,6 +65,7 @@ class CoordinatorClient:
         self._decoder = from_coordinator_decoder()
         self.guard = DeploymentGuard(settings.deployment_id, log, "coordinator link")
         self._control = self._context.socket(zmq.DEALER)
+        settings.zmq_security.client(self._control)
         self._control.setsockopt(zmq.IDENTITY, settings.frontend_id.encode())
         self._control.setsockopt(zmq.LINGER, 1000)
         self._control.connect(settings.coordinator_addr)
@@ -190,6 +191,7 @@ class CoordinatorClient:
                 if self._sub is not None:
                     self._sub.close(linger=0)
                 self._sub = self._context.socket(zmq.SUB)
+                self._settings.zmq_security.client(self._sub)
                 self._sub.setsockopt(zmq.SUBSCRIBE, b"")
                 self._sub.setsockopt(zmq.LINGER, 0)
                 self._sub.connect(self._pub_addr)

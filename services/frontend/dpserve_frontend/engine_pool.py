@@ -50,6 +50,7 @@ from dpserve_shared.schema import (
     Topology,
 )
 from dpserve_shared.waves import FrontendWaves
+from dpserve_shared.zmq_security import ZmqSecurity
 
 from dpserve_frontend.engine_liveness import enable_heartbeats, watch_connection
 from dpserve_frontend.router import AdmissionLimits, NoEngineAvailable, Router
@@ -106,8 +107,10 @@ class EnginePool:
         on_resend: Callable[[], None] | None = None,
         migration_limit: int = 3,
         admission: AdmissionLimits | None = None,
+        zmq_security: ZmqSecurity | None = None,
     ):
         self.frontend_id = frontend_id
+        self._zmq_security = zmq_security or ZmqSecurity.from_environment()  # CURVE to the engines' sockets
         self._router = Router()
         self.admission = admission or AdmissionLimits()
         self._context = context or zmq.asyncio.Context.instance()
@@ -178,6 +181,7 @@ class EnginePool:
 
     def _connect(self, rank: int, input_addr: str) -> None:
         socket = self._context.socket(zmq.DEALER)
+        self._zmq_security.client(socket)
         socket.setsockopt(zmq.IDENTITY, self.frontend_id.encode())
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 0)

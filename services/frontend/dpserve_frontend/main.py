@@ -14,6 +14,8 @@ import sys
 import uvloop
 from aiohttp.http_exceptions import HttpProcessingError
 
+from dpserve_shared.zmq_security import log_security
+
 from dpserve_frontend.server import ApiServer
 from dpserve_frontend.settings import FrontendSettings, settings_from_args
 from dpserve_frontend.state import ServerState
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.server").addFilter(_unparsable_requests_at_debug)
-    log.debug("settings: %s", settings)  # the API key is excluded from the repr
+    log.debug("settings: %s", settings)  # the API key and the cluster key are excluded from the repr
+    log_security(log, settings.zmq_security)
     uvloop.run(serve(settings))
 
 

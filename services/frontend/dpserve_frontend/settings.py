@@ -11,6 +11,7 @@ import uuid
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
 from dpserve_shared.status import API_KEY_ENV
 from dpserve_shared.timing import COORDINATOR_SILENCE_S, HEARTBEAT_INTERVAL_S
+from dpserve_shared.zmq_security import ClusterKeyError, ZmqSecurity, add_security_flags, security_from_args
 
 ENV_PREFIX = "DPSERVE_"
 
@@ -41,6 +42,8 @@ class FrontendSettings:
     max_request_body_bytes: int = 8 * 1024 * 1024
     request_header_timeout_s: float = 60.0
     request_body_timeout_s: float = 60.0
+    # CURVE on its sockets to the coordinator and the engines, as clients (zmq_security.py)
+    zmq_security: ZmqSecurity = dataclasses.field(default_factory=ZmqSecurity.from_environment, repr=False)
 
 
 def add_migration_flag(parser: argparse.ArgumentParser) -> None:
@@ -186,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="written once this frontend follows the coordinator's broadcasts and every expected "
                              "rank serves (used by dpserve serve)")
+    add_security_flags(parser)
     return parser
 
 
@@ -199,6 +203,10 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
     try:
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     except ValueError as e:
+        raise SystemExit(str(e)) from None
+    try:
+        zmq_security = security_from_args(args, "dpserve-frontend")
+    except ClusterKeyError as e:
         raise SystemExit(str(e)) from None
     kwargs = {}
     if args.frontend_id:
@@ -221,5 +229,6 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         max_request_body_bytes=args.max_request_body_bytes,
         request_header_timeout_s=args.request_header_timeout,
         request_body_timeout_s=args.request_body_timeout,
+        zmq_security=zmq_security,
         **kwargs,
     )
