@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dpserve.ray_head import RayHead, ray_env
 from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
 from dpserve_shared.status import API_KEY_ENV
-from dpserve_shared.zmq_security import CLUSTER_KEY_ENV
+from dpserve_shared.zmq_security import CLUSTER_KEY_ENV, remove_run_key, run_key_path, write_run_key
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -131,6 +131,10 @@ class Server:
             return cmd + (["--reattach-wait-s", str(REATTACH_WAIT_S)] if is_restart else [])
 
         env = args.zmq_security.child_env(env)  # set by serve.validate(); never on a command line
+        # A key made for this run: kept for `dpserve scale` on this host, in a file only this user can read
+        made_key = args.zmq_security.is_secure and not args.cluster_key_file and not os.environ.get(CLUSTER_KEY_ENV)
+        self.run_key_file = run_key_path(f"tcp://{args.data_parallel_address}:{args.data_parallel_rpc_port}") \
+            if made_key else None
         self.coordinator = Child("coordinator", coordinator_cmd, dict(env, **{WATCH_PID_ENV: str(os.getpid())}),
                                  self.ready_file)  # fmt: skip
         frontend_env = dict(env, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
@@ -150,6 +154,8 @@ class Server:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphaned engines come here
         except (OSError, AttributeError):
             pass
+        if self.run_key_file is not None:
+            write_run_key(self.run_key_file, self.args.zmq_security.cluster_key)
         if self.ray_head is not None:
             started = time.monotonic()
             self.ray_head.start()
@@ -253,6 +259,8 @@ class Server:
         _kill_orphans(self._own_pids())  # engines of a coordinator that died (they would exit once this one has)
         if self.ray_head is not None:
             self.ray_head.stop()
+        if self.run_key_file is not None:
+            remove_run_key(self.run_key_file)
         shutil.rmtree(self.work_dir, ignore_errors=True)
         if self.ray_temp_dir and not self.args.ray_temp_dir:
             shutil.rmtree(self.ray_temp_dir, ignore_errors=True)

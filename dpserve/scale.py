@@ -5,7 +5,9 @@ with the reason, or accepted with its broadcast address), then once more when th
 command follows the coordinator's Topology broadcasts and prints each change (ranks ready / starting / draining /
 gone). Exit code 0 when the deployment has exactly the ranks 0..K-1 READY, 1 when the coordinator refused or the
 step failed or did not finish within --timeout-s (the step itself goes on), 2 on a usage error. It needs the
-deployment's cluster key ($DPSERVE_CLUSTER_KEY or --cluster-key-file; --insecure-zmq for a deployment without).
+deployment's cluster key: $DPSERVE_CLUSTER_KEY or --cluster-key-file, or, for a `dpserve serve` on this host that
+made its own, the file it keeps for its own user (zmq_security.run_key_path); --insecure-zmq for a deployment
+without.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import zmq
 from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import frames, split
 from dpserve_shared.schema import EngineState, ScaleAck, ScaleRequest, Topology
-from dpserve_shared.zmq_security import ClusterKeyError, add_security_flags, security_from_args
+from dpserve_shared.zmq_security import ClusterKeyError, add_security_flags, run_key_path, security_from_args
 
 _ANSWER_TIMEOUT_S = 10.0
 
@@ -61,7 +63,7 @@ def scale(args: argparse.Namespace) -> int:
     started = time.monotonic()
     deadline = started + args.timeout_s
     try:
-        zmq_security = security_from_args(args, "dpserve scale")
+        zmq_security = security_from_args(args, "dpserve scale", run_key_file=run_key_path(addr))
     except ClusterKeyError as e:
         _say(str(e))
         return 2

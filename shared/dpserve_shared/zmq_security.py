@@ -178,10 +178,36 @@ def read_key_file(path: str) -> str:
     return text
 
 
+def run_key_path(control_addr: str) -> str:
+    """Where `dpserve serve` keeps the key it made for the deployment whose control socket is `control_addr`
+    (tcp://HOST:PORT), for `dpserve scale` on the same host to find: a file of the user's own (mode 600, in a
+    directory of mode 700) under $XDG_RUNTIME_DIR or ~/.cache/dpserve, removed when the deployment stops."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache")
+    name = control_addr.removeprefix("tcp://").replace(":", "-").replace("/", "-")
+    return os.path.join(base, "dpserve", "run", f"cluster-key-{name}")
+
+
+def write_run_key(path: str, cluster_key: str) -> None:
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)  # an older file of that name may have had another mode
+        f.write(cluster_key)
+
+
+def remove_run_key(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 def security_from_args(
-    args: argparse.Namespace, what: str, environ: Mapping[str, str] = os.environ, make_one: bool = False
+    args: argparse.Namespace, what: str, environ: Mapping[str, str] = os.environ, make_one: bool = False,
+    run_key_file: str | None = None,
 ) -> ZmqSecurity:
-    """The one reader of the key: --insecure-zmq, else --cluster-key-file, else $DPSERVE_CLUSTER_KEY, else a new
+    """The one reader of the key: --insecure-zmq, else --cluster-key-file, else $DPSERVE_CLUSTER_KEY, else
+    (`dpserve scale`) the key a `dpserve serve` on this host made for the deployment (`run_key_path`), else a new
     key when `make_one` (`dpserve serve`), else ClusterKeyError naming all three."""
     if args.insecure_zmq:
         if args.cluster_key_file:
@@ -192,6 +218,8 @@ def security_from_args(
                                             f"{args.cluster_key_file}")  # fmt: skip
     if environ.get(CLUSTER_KEY_ENV):
         return ZmqSecurity.from_cluster_key(environ[CLUSTER_KEY_ENV])
+    if run_key_file and os.path.exists(run_key_file):
+        return ZmqSecurity.from_cluster_key(read_key_file(run_key_file), f"{run_key_file} (made by dpserve serve)")
     if make_one:
         return ZmqSecurity.from_cluster_key(new_cluster_key())
     raise ClusterKeyError(_missing_key_message(what))

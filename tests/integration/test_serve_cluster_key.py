@@ -5,6 +5,7 @@ works with it (from the environment) and refuses to start without it; `--insecur
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 
 import pytest
@@ -12,7 +13,7 @@ import zmq
 
 from dpserve_shared.envelope import frames
 from dpserve_shared.schema import ScaleRequest
-from dpserve_shared.zmq_security import CLUSTER_KEY_ENV, ZmqSecurity
+from dpserve_shared.zmq_security import CLUSTER_KEY_ENV, ZmqSecurity, run_key_path
 from tests.conftest import DPSERVE, descendants, start_serve, stop_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -31,8 +32,10 @@ def _scale(rpc_port: int, size: int, env: dict[str, str]) -> subprocess.Complete
 
 def test_serve_makes_a_key_that_no_command_line_or_log_line_shows(tmp_path, monkeypatch):
     monkeypatch.delenv(CLUSTER_KEY_ENV)  # start_serve's child inherits the environment: no key given
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))  # where it keeps its key for `dpserve scale`
     server = start_serve(backend="mp", data_parallel_size=1, api_server_count=1, null_engine=True,
                          log_dir=str(tmp_path))  # fmt: skip
+    key_file = run_key_path(f"tcp://127.0.0.1:{server.rpc_port}")
     try:
         children = server.record_descendants()
         coordinator = next(pid for pid, cmd in children.items() if "dpserve_coordinator.main" in cmd)
@@ -52,10 +55,17 @@ def test_serve_makes_a_key_that_no_command_line_or_log_line_shows(tmp_path, monk
         finally:
             ctx.destroy(0)
 
-        # `dpserve scale` without the key refuses to start, naming where it comes from; with it, it scales.
-        no_key = _scale(server.rpc_port, 2, {k: v for k, v in os.environ.items() if k != CLUSTER_KEY_ENV})
+        # `dpserve scale` on this host, as this user, finds the key in the file serve keeps (mode 600, dir 700);
+        # with another key it gets no answer; without the file and the key it refuses to start, naming the ways.
+        assert key_file.startswith(str(tmp_path / "run"))
+        assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(key_file)).st_mode) == 0o700
+        no_env = {k: v for k, v in os.environ.items() if k != CLUSTER_KEY_ENV}
+        wrong = _scale(server.rpc_port, 2, dict(no_env, **{CLUSTER_KEY_ENV: "0" * 64}))
+        assert wrong.returncode == 1 and "no answer" in wrong.stdout, wrong.stdout + wrong.stderr
+        no_key = _scale(server.rpc_port, 2, dict(no_env, XDG_RUNTIME_DIR=str(tmp_path / "elsewhere")))
         assert no_key.returncode == 2 and CLUSTER_KEY_ENV in no_key.stdout, no_key.stdout + no_key.stderr
-        scaled = _scale(server.rpc_port, 2, dict(os.environ, **{CLUSTER_KEY_ENV: key}))
+        scaled = _scale(server.rpc_port, 2, no_env)
         assert scaled.returncode == 0, scaled.stdout + scaled.stderr
 
         everything = dict(server.seen)
@@ -70,6 +80,7 @@ def test_serve_makes_a_key_that_no_command_line_or_log_line_shows(tmp_path, monk
     finally:
         problems = stop_serve(server)
     assert not problems, problems
+    assert not os.path.exists(key_file)  # gone with the deployment
 
 
 def test_insecure_zmq_serves_with_a_warning_and_takes_a_plain_scale(tmp_path, monkeypatch):
