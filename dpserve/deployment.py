@@ -128,7 +128,7 @@ class Server:
 
         def coordinator_cmd(is_restart: bool) -> list[str]:
             cmd = coordinator_command(coordinator_args, self.ready_file, self.deployment_id)
-            return cmd + (["--reattach-wait-s", str(REATTACH_WAIT_S)] if is_restart else [])
+            return cmd + ["--reattach-wait-s", str(REATTACH_WAIT_S) if is_restart else "0"]
 
         env = args.zmq_security.child_env(env)  # set by serve.validate(); never on a command line
         # A key made for this run: kept for `dpserve scale` on this host, in a file only this user can read

@@ -113,3 +113,57 @@ def test_a_rank_that_dies_while_the_coordinator_is_away_is_dropped_by_the_fronte
         assert after[0] == pids[0]
     finally:
         serve_factory.close()
+
+
+def test_a_coordinator_run_by_hand_is_started_again_and_adopts_its_mp_engines(tmp_path):
+    """`dpserve-coordinator` (mp) SIGKILLed: its engines go on (they watch no process; their deployment's silence
+    for --register-timeout-s would end them); the same command line again finds them heartbeating to its port and
+    adopts them: the same pids. SIGTERM then stops them all."""
+    import secrets
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import free_port
+
+    def start(ready_file: str) -> subprocess.Popen:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "dpserve-coordinator"), "--data-parallel-backend", "mp",
+               "--data-parallel-size", "2", "--null-engine", "--deployment-id", deployment,
+               "--data-parallel-rpc-port", str(port), "--ready-file", ready_file]  # fmt: skip
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+
+    def ready(proc: subprocess.Popen, ready_file: str) -> dict[int, int]:
+        deadline = time.monotonic() + 90
+        while not os.path.exists(ready_file):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.1)
+        with open(ready_file) as f:
+            return {e["rank"]: e["pid"] for e in json.load(f)["engines"]}
+
+    deployment, port = f"dep-{secrets.token_hex(6)}", free_port()
+    first = start(str(tmp_path / "ready-1.json"))
+    second = None
+    pids: dict[int, int] = {}
+    try:
+        pids = ready(first, str(tmp_path / "ready-1.json"))
+        first.kill()
+        first.wait(10)
+        assert all(os.path.exists(f"/proc/{pid}") for pid in pids.values())  # the engines go on
+        second = start(str(tmp_path / "ready-2.json"))
+        assert ready(second, str(tmp_path / "ready-2.json")) == pids
+        second.send_signal(signal.SIGTERM)
+        output = second.communicate(timeout=60)[0]
+        assert second.returncode == 0, output[-4000:]
+        assert "re-attached 2 rank(s) [0, 1]" in output, output[-4000:]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        deadline = time.monotonic() + 15
+        while any(os.path.exists(f"/proc/{pid}") for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in pids.values() if os.path.exists(f"/proc/{pid}")]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"engine processes left: {left}"

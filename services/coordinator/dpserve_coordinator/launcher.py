@@ -125,9 +125,10 @@ class _AdoptedProcess:
 class MpLauncher(EngineLauncher):
     """Engines as local child processes (single node, no Ray).
 
-    Under `dpserve serve` ($DPSERVE_WATCH_PID set to its pid) each engine runs in a session of its own and watches
-    `dpserve serve`, not this coordinator: it outlives a coordinator that dies, registers again with the next one,
-    which adopts it (`adopt`)."""
+    Each engine runs in a session of its own and does not watch this coordinator: it outlives a coordinator that
+    dies, registers again with the next one of its deployment, which adopts it (`adopt`). Under `dpserve serve` it
+    watches `dpserve serve` ($DPSERVE_WATCH_PID, set there to its pid); started by a coordinator run by hand it
+    exits when its deployment has been silent for its --register-timeout-s (120 s: no coordinator came back)."""
 
     def __init__(self, settings: CoordinatorSettings):
         self._settings = settings
@@ -136,16 +137,16 @@ class MpLauncher(EngineLauncher):
         num_threads = max(1, (os.cpu_count() or 1) // max(1, settings.data_parallel_size))
         self._env = settings.zmq_security.child_env(os.environ)
         self._env.setdefault("OMP_NUM_THREADS", str(num_threads))
+        self._env.setdefault(WATCH_PID_ENV, "0")  # 0: watch no process (see the class docstring)
 
     async def start(self, rank: int) -> None:
         cmd = engine_command(self._settings, rank, self._settings.data_parallel_address)
-        outlives_coordinator = bool(self._env.get(WATCH_PID_ENV))  # not in this process group: killed with it
-        self._procs[rank] = subprocess.Popen(cmd, env=self._env, stdin=subprocess.DEVNULL,
-                                             start_new_session=outlives_coordinator)  # fmt: skip
+        # A session of its own: not in this coordinator's process group, which is killed with it
+        self._procs[rank] = subprocess.Popen(cmd, env=self._env, stdin=subprocess.DEVNULL, start_new_session=True)
         log.info("rank %d: started engine process pid %d", rank, self._procs[rank].pid)
 
     def adopt(self, rank: int, pid: int) -> bool:
-        if not self._env.get(WATCH_PID_ENV) or not pid_alive(pid):
+        if not pid_alive(pid):
             return False
         self._procs[rank] = _AdoptedProcess(pid)
         log.info("rank %d: adopted engine process pid %d", rank, pid)

@@ -62,6 +62,7 @@ _KILL_NOW_S = 3.0  # a second signal: this long to kill the engines, then the pr
 _UNBOUND_MESSAGES = (RegisterEngine, RegisterFrontend, ScaleRequest)
 # Engines of an earlier coordinator register again within COORDINATOR_SILENCE_S (5 s) of its last broadcast.
 _REATTACH_WAIT_S = 20.0
+_LOOK_FOR_ENGINES_S = 1.5  # an engine left running heartbeats every second, to whoever holds the control port
 
 
 class StartupFailed(Exception):
@@ -101,6 +102,7 @@ class Coordinator:
         # answered until they registered again (a topology with their ranks STARTING would make the frontends drop
         # ranks that serve); frontends meanwhile route on the topology they have.
         self._is_reattaching = False
+        self._unknown_engines: set[str] = set()  # engines that heartbeat to this port but never registered here
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -228,7 +230,10 @@ class Coordinator:
         actors (found by the launcher), and, with --reattach-wait-s, the engines that register again by themselves
         (mp, under `dpserve serve`). Nothing is published meanwhile."""
         found = self.supervisor.adopt_found()
-        wait_s = self.settings.reattach_wait_s or (_REATTACH_WAIT_S if found else 0.0)
+        wait_s = self.settings.reattach_wait_s
+        if wait_s is None:  # find out: ray's actors are found; mp engines left running heartbeat to this port
+            left_running = found or await self._engines_heartbeating()
+            wait_s = _REATTACH_WAIT_S if left_running else 0.0
         if wait_s <= 0:
             return set()
         started = time.monotonic()
@@ -254,6 +259,16 @@ class Coordinator:
                  f"; still waiting for {sorted(set(found) - set(registered))}" if set(found) - set(registered)
                  else "")  # fmt: skip
         return adopted
+
+    async def _engines_heartbeating(self) -> bool:
+        """mp: whether engines of this deployment that are not registered here heartbeat to the control port (a
+        coordinator before this one left them running); they do every second."""
+        if self.settings.data_parallel_backend != "mp":
+            return False
+        deadline = time.monotonic() + _LOOK_FOR_ENGINES_S
+        while not self._unknown_engines and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return bool(self._unknown_engines)
 
     async def _unless_stopped(self, coro):
         """Await `coro` unless a stop is requested first (then it is cancelled and None returned)."""
@@ -329,7 +344,9 @@ class Coordinator:
     def _handle(self, sender: str, msg, now_s: float):
         registry = self.registry
         if isinstance(msg, Heartbeat):
-            registry.heartbeat(msg.sender_id or sender, now_s, msg.stats)
+            known = registry.heartbeat(msg.sender_id or sender, now_s, msg.stats)
+            if not known and msg.sender_id.startswith("engine-"):
+                self._unknown_engines.add(msg.sender_id)
         elif isinstance(msg, EngineStats):
             registry.update_load(sender, msg.load, now_s)
             self._follow_waves()

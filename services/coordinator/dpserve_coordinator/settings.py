@@ -44,7 +44,9 @@ class CoordinatorSettings:
     max_engine_restarts: int = 3  # quick deaths in a row before a rank is shown as FAILED (supervisor.py)
     engine_args: tuple[str, ...] = ()  # passed to every `dpserve-engine` command line
     ready_file: str | None = None  # written (with the topology as JSON) once every rank is READY
-    reattach_wait_s: float = 0.0  # how long to wait for the engines of a coordinator before this one to register
+    # How long to wait for the engines of a coordinator before this one to register again; None (the command
+    # line's default): look for them first (ray: their actors; mp: their heartbeats, 1.5 s), 0: never look.
+    reattach_wait_s: float | None = 0.0
     status_port: int | None = None  # the status page's HTTP port (on data_parallel_address); None: none
     api_key: str | None = dataclasses.field(default=None, repr=False)  # the status page's key; never logged
     # On every control and broadcast message (envelope.py); handed to the engines this coordinator starts.
@@ -107,11 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "FAILED (a crash loop); it is still restarted, on a back-off of 1, 2, 4 ... up to 30 s "
                              "(default: %(default)s)")
     parser.add_argument("--ready-file", default=None, help="written once every rank is ready (used by dpserve serve)")
-    parser.add_argument("--reattach-wait-s", type=float, default=0.0,
-                        help="a coordinator restarted for a running deployment: wait this long for the engines it "
-                             "left running to register again before starting any rank anew (the ray backend "
-                             "finds its engine actors by name and waits for them anyway; `dpserve serve` sets it "
-                             "when it restarts a coordinator; default: %(default)s)")
+    parser.add_argument("--reattach-wait-s", type=float, default=None,
+                        help="a coordinator started for a running deployment (the same --deployment-id) re-attaches "
+                             "to the engines the one before it left: it waits this long for them to register again "
+                             "before starting any rank anew; 0: never look for them (default: find them first, ray: "
+                             "the deployment's named actors, mp: engines heartbeating to this port, and wait up to "
+                             "20 s for them)")
     add_status_port_flag(parser)
     parser.add_argument("--api-key", default=None,
                         help=f"the key the status page asks for (default: ${API_KEY_ENV} if set, else none)")

@@ -259,6 +259,8 @@ class EngineService:
         return load
 
     def _parent_died(self) -> bool:
+        if self.settings.watch_pid == 0:
+            return False  # nothing to watch: the coordinator link's silence check ends it (CoordinatorLink.watch)
         if self.settings.watch_pid is None:
             return os.getppid() != self._parent_pid  # re-parented: the parent is gone
         try:

@@ -113,8 +113,9 @@ class ServiceSettings:
     drain_timeout_s: float = ENGINE_DRAIN_S
     adaptive_threads: bool = False  # threads.py: share the node's cores among the ranks that have work
     deployment_id: str = ""  # "": adopt the id of the coordinator that accepts this engine (envelope.py)
-    # The process whose exit ends this engine: `dpserve serve` under the mp backend (so that the engine outlives a
-    # restarted coordinator); None: the parent process (an EngineHost actor, or whoever started it by hand).
+    # The process whose exit ends this engine ($DPSERVE_WATCH_PID, set by the mp launcher): `dpserve serve` (so that
+    # the engine outlives a coordinator that restarts); 0: none (a coordinator run by hand: the deployment's
+    # silence for register_timeout_s ends it); None: the parent process (an EngineHost actor, a shell).
     watch_pid: int | None = None
     # CURVE on every socket: its ROUTER a server, its links to the coordinator clients (zmq_security.py)
     zmq_security: ZmqSecurity = dataclasses.field(default_factory=ZmqSecurity.from_environment, repr=False)
