@@ -1,8 +1,9 @@
 """KV-cache blocks: allocation, reference counts and the prefix cache.
 
 A block holds the K/V of `block_size` consecutive tokens of one or more sequences. A full block is named by a
-chained hash (hash of the previous block's hash and its own token ids), so two requests with the same prefix
-share the same physical blocks. A freed block keeps its hash and waits in an LRU of cached blocks: a later request
+chained hash (`dpserve_shared.block_hash`: the previous block's hash and its own token ids, the same value in
+every process, which is what lets the frontends route by it), so two requests with the same prefix share the
+same physical blocks. A freed block keeps its hash and waits in an LRU of cached blocks: a later request
 with that prefix takes it back (a prefix hit); an allocation that finds no never-used block evicts the least
 recently freed one.
 """
@@ -11,11 +12,9 @@ from __future__ import annotations
 
 import collections
 
+from dpserve_shared.block_hash import block_hash
+
 from dpserve_engine.sequence import Sequence
-
-
-def chain_hash(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
-    return hash((parent_hash, tuple(token_ids)))
 
 
 class BlockManager:
@@ -51,7 +50,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading full blocks. At least one token is always left to compute (its
