@@ -139,6 +139,7 @@ class EngineInfo(_Part):
     restarts: int = 0  # replacements started for this rank so far
     failed: bool = False  # in a crash loop: it died soon after each of its last starts (retried on a back-off)
     deaths: dict[str, int] = {}  # times it went DEAD, by kind (killed, exited, missed_heartbeats, stuck, ...)
+    block_size: int = 0  # tokens per KV block (prefix-cache hashes are per block; 0: an engine before #17)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,6 +233,7 @@ class RegisterEngine(_Msg, tag="register_engine"):
     kv_blocks_total: int = 0
     node_ip: str = ""
     pid: int = 0
+    block_size: int = 0  # tokens per KV block: what its prefix cache hashes (dpserve_shared.block_hash)
 
 
 class RegisterFrontend(_Msg, tag="register_frontend"):
@@ -324,6 +326,60 @@ class FrontendGone(_Msg, tag="frontend_gone"):
     frontend_id: str
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The shared view of the prefix caches (docs/architecture.md, "The prefix-cache index")
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KvEvents(_Msg, tag="kv_events"):
+    """Engine -> coordinator (control): the block hashes its prefix cache stored and evicted since its last
+    KvEvents (net: a hash is in at most one list), batched per step. `seq` counts this engine process's KvEvents
+    from 1; a snapshot (the answer to KvResync) lists every hash it holds in `stored` and replaces the rank's set."""
+
+    seq: int
+    stored: list[int] = []
+    removed: list[int] = []
+    is_snapshot: bool = False
+
+
+class KvResync(_Msg, tag="kv_resync"):
+    """Coordinator -> one engine (control): send a snapshot of your prefix cache (a gap in your KvEvents)."""
+
+
+class RankBlocks(_Part):
+    """One rank's change in a KvDelta (with `reset`: its set was emptied first), or its whole set in a
+    KvIndexSnapshot."""
+
+    rank: int
+    stored: list[int] = []
+    removed: list[int] = []
+    reset: bool = False
+
+
+class KvDelta(_Msg, tag="kv_delta"):
+    """Coordinator -> frontends (PUB): the index's changes since the previous KvDelta. `seq` counts them from 1
+    per `index_id` (the coordinator's start time in ms): a frontend that sees a gap or a new index_id asks for a
+    KvIndexSnapshot."""
+
+    index_id: int
+    seq: int
+    ranks: list[RankBlocks] = []
+
+
+class KvIndexRequest(_Msg, tag="kv_index_request"):
+    """Frontend -> coordinator (control): send me the whole index (just started, a gap, a new coordinator)."""
+
+    frontend_id: str
+
+
+class KvIndexSnapshot(_Msg, tag="kv_index"):
+    """Coordinator -> one frontend (control): the whole index as of KvDelta `seq` (deltas after it follow)."""
+
+    index_id: int
+    seq: int
+    ranks: list[RankBlocks] = []
+
+
 ToEngine = EngineRequest | AbortRequests
 ToFrontend = EngineOutputs | EngineHello
 ToCoordinator = (
@@ -334,5 +390,18 @@ ToCoordinator = (
     | EngineStats
     | StartWaveRequest
     | ScaleRequest
+    | KvEvents
+    | KvIndexRequest
 )
-FromCoordinator = Topology | LoadSnapshot | RegisterAck | ScaleAck | StartWave | Shutdown | FrontendGone
+FromCoordinator = (
+    Topology
+    | LoadSnapshot
+    | RegisterAck
+    | ScaleAck
+    | StartWave
+    | Shutdown
+    | FrontendGone
+    | KvResync
+    | KvDelta
+    | KvIndexSnapshot
+)

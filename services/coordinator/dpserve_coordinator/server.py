@@ -6,7 +6,8 @@ SERVING (ready file written; scale requests taken) -> DRAINING (on SIGTERM/SIGIN
 Shutdown broadcast, ranks stopped, actors and placement groups released, Ray stopped if it was started here) ->
 STOPPED. A second signal kills the ranks and exits at once.
 
-Publishing (PUB): Topology on every change and every 2 s; LoadSnapshot at most every 100 ms when some engine's
+Publishing (PUB): KvDelta (the prefix-cache index's changes, kv_index.py) every tick that has some; Topology on
+every change and every 2 s; LoadSnapshot at most every 100 ms when some engine's
 load or the wave state changed and every 1 s otherwise (a heartbeat for frontends); FrontendGone when a frontend
 unregisters or is silent for 5 s; StartWave when a frontend or engine asks for one (dpserve_shared.waves: for
 dense models the wave is bookkeeping, it completes when every rank's load says it stopped stepping).
@@ -32,9 +33,13 @@ import zmq.asyncio
 from dpserve_shared.codec import coordinator_decoder
 from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import (
+    EngineState,
     EngineStats,
     FrontendGone,
     Heartbeat,
+    KvEvents,
+    KvIndexRequest,
+    KvResync,
     RegisterAck,
     RegisterEngine,
     RegisterFrontend,
@@ -45,6 +50,7 @@ from dpserve_shared.schema import (
 )
 from dpserve_shared.waves import CoordinatorWaves
 
+from dpserve_coordinator.kv_index import KvIndex
 from dpserve_coordinator.launcher import EngineLauncher, LaunchError
 from dpserve_coordinator.registry import Registry, RegistrationRefused
 from dpserve_coordinator.scaling import Scaler
@@ -88,6 +94,7 @@ class Coordinator:
         self.supervisor = RankSupervisor(self.registry, settings, launcher)  # the backend's launcher when None
         self.scaler = Scaler(self.registry, self.supervisor, self.reply, settings.engine_startup_timeout_s)
         self.waves = CoordinatorWaves()
+        self.kv_index = KvIndex(index_id=time.time_ns() // 1_000_000)  # a restarted coordinator's is another
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
@@ -366,6 +373,14 @@ class Coordinator:
                 self._publish(start)
         elif isinstance(msg, ScaleRequest):
             return self.scaler.request(sender, msg, self.pub_addr)
+        elif isinstance(msg, KvEvents):
+            engine = registry.engine_by_id(sender)
+            if (engine is not None and engine.state in (EngineState.READY, EngineState.DRAINING)
+                    and self.kv_index.on_events(engine.rank, sender, msg, now_s)):
+                return KvResync()
+        elif isinstance(msg, KvIndexRequest):
+            self._publish_kv_delta()  # the snapshot is as of the last delta: nothing may be in neither
+            return self.kv_index.snapshot()
         return None
 
     def _follow_waves(self) -> None:
@@ -380,6 +395,11 @@ class Coordinator:
             self.pub.send_multipart(frames(self.settings.deployment_id, msg), flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("broadcast queue full; dropped %s", type(msg).__name__)
+
+    def _publish_kv_delta(self) -> None:
+        delta = self.kv_index.take_delta()
+        if delta is not None:
+            self._publish(delta)
 
     def _load_state(self) -> tuple[int, int, bool]:
         """What a LoadSnapshot carries, as a version: the registry's loads and the wave state."""
@@ -402,6 +422,9 @@ class Coordinator:
             if self._is_reattaching:
                 await asyncio.sleep(0.02)
                 continue
+            if self.registry.epoch != published_epoch:
+                self.kv_index.follow(self.registry.serving_engines())  # dead, replaced, removed: blocks gone
+            self._publish_kv_delta()
             if self.registry.epoch != published_epoch or now - last_topology >= TOPOLOGY_REPUBLISH_S:
                 self._publish(self.registry.topology())
                 published_epoch = self.registry.epoch

@@ -3,7 +3,9 @@
 - control: a DEALER (identity = engine id) to the coordinator's ROUTER. `RegisterEngine` -> `RegisterAck` (the
   rank, the broadcast address, the topology); then `EngineStats` when the load changed (at most every 50 ms, and
   with the cumulative counters every 1 s), `StartWaveRequest` when a request finds the engines paused, and
-  `Unregister` on exit. The coordinator sends `Shutdown` here (scale-down).
+  `Unregister` on exit; `KvEvents` (what the prefix cache stored and evicted, numbered) after a step that changed
+  it, and a snapshot of it when the coordinator asks (`KvResync`). The coordinator sends `Shutdown` here
+  (scale-down).
 - broadcast: a SUB to the coordinator's PUB (`Topology`, `LoadSnapshot`, `StartWave`, `FrontendGone`, `Shutdown`).
 - heartbeats: `Heartbeat` every 1 s from a thread with a DEALER of its own, so that a long step (a big prefill
   on a starved CPU can take longer than the coordinator's 5 s engine timeout) never makes a live rank look dead.
@@ -29,7 +31,17 @@ import zmq
 
 from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import DeploymentGuard, frames
-from dpserve_shared.schema import EngineLoad, EngineStats, Heartbeat, RegisterAck, RegisterEngine, Shutdown, Unregister
+from dpserve_shared.schema import (
+    EngineLoad,
+    EngineStats,
+    Heartbeat,
+    KvEvents,
+    KvResync,
+    RegisterAck,
+    RegisterEngine,
+    Shutdown,
+    Unregister,
+)
 
 from dpserve_shared.timing import (  # noqa: F401 - the protocol's intervals (tests patch them here)
     COORDINATOR_SILENCE_S,
@@ -74,6 +86,7 @@ class CoordinatorLink:
         self._last_stats_s = 0.0
         self._last_counters: EngineLoad | None = None
         self.next_counters_s = 0.0  # monotonic: when report() next sends the counters
+        self._kv_seq = 0  # KvEvents sent by this process
         self._heartbeats_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
@@ -155,7 +168,7 @@ class CoordinatorLink:
         messages are dropped; a broadcast of this one's is a sign of life."""
         while self.control.poll(0):
             msg = self._recv_control()
-            if isinstance(msg, Shutdown):
+            if isinstance(msg, (Shutdown, KvResync)):
                 yield msg
             elif isinstance(msg, RegisterAck):
                 if msg.accepted:
@@ -202,6 +215,11 @@ class CoordinatorLink:
             self._last_stats_key = key
             self._last_stats_s = now
             self._last_counters = load
+
+    def send_kv_events(self, stored: list[int], removed: list[int], is_snapshot: bool = False) -> None:
+        """The prefix cache's changes (or, `is_snapshot`, every hash it holds), numbered for gap detection."""
+        self._kv_seq += 1
+        self.send(KvEvents(self._kv_seq, stored, removed, is_snapshot))
 
     # -- heartbeats -----------------------------------------------------------------------------------------------
 

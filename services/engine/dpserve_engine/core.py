@@ -48,6 +48,7 @@ class EngineCore(EngineCoreBase):
             model = load_model(config)
         self.model_info = model_info
         self.kv_blocks_total = self._num_kv_blocks(config, model)
+        self.block_size = config.block_size
         self.block_manager = BlockManager(self.kv_blocks_total, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_blocks_total, config.block_size, model_info.eos_token_ids)
@@ -125,6 +126,16 @@ class EngineCore(EngineCoreBase):
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def start_kv_events(self) -> None:
+        if self.config.enable_prefix_caching:
+            self.block_manager.start_kv_events()
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        return self.block_manager.take_kv_events()
+
+    def kv_snapshot(self) -> list[int]:
+        return self.block_manager.cached_hashes()
 
     # -- step ------------------------------------------------------------------------------------------------
 

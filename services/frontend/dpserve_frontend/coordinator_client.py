@@ -4,7 +4,9 @@
   `RegisterAck` comes back (backoff 0.5 s -> 5 s, progress logged); the ack carries the broadcast address and the
   current `Topology`. Then a `Heartbeat` every second, `StartWaveRequest` when the engines are paused, and
   `Unregister` on exit.
-- broadcast: a SUB to the coordinator's PUB, following `Topology` and `LoadSnapshot`.
+- broadcast: a SUB to the coordinator's PUB, following `Topology`, `LoadSnapshot` and `KvDelta` (the prefix-cache
+  index, mirrored in prefix_index.py; out of sync it sends `KvIndexRequest` and the `KvIndexSnapshot` comes back
+  on the control socket).
 
 If the coordinator goes silent (no broadcast for `coordinator_silence_s`), the frontend keeps serving with the
 last topology and registers again, so a restarted coordinator (new PUB port) is picked up without a restart.
@@ -27,6 +29,9 @@ from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     FrontendStats,
     Heartbeat,
+    KvDelta,
+    KvIndexRequest,
+    KvIndexSnapshot,
     LoadSnapshot,
     RegisterAck,
     RegisterFrontend,
@@ -35,6 +40,7 @@ from dpserve_shared.schema import (
     Unregister,
 )
 
+from dpserve_frontend.prefix_index import PrefixIndex
 from dpserve_frontend.settings import FrontendSettings
 
 log = logging.getLogger(__name__)
@@ -55,12 +61,14 @@ class CoordinatorClient:
         on_snapshot: Callable[[LoadSnapshot], None],
         context: zmq.asyncio.Context | None = None,
         stats: Callable[[], FrontendStats] | None = None,
+        prefix_index: PrefixIndex | None = None,
     ):
         assert settings.coordinator_addr is not None
         self._settings = settings
         self._on_topology = on_topology
         self._on_snapshot = on_snapshot
         self._stats = stats  # this frontend's figures, sent on every heartbeat
+        self.prefix_index = prefix_index  # follows KvDelta / KvIndexSnapshot when given
         self._context = context or zmq.asyncio.Context.instance()
         self._decoder = from_coordinator_decoder()
         self.guard = DeploymentGuard(settings.deployment_id, log, "coordinator link")
@@ -129,6 +137,7 @@ class CoordinatorClient:
             loop.create_task(self._supervised(self._broadcast_loop), name="coordinator-broadcast"),
             loop.create_task(self._supervised(self._heartbeat_loop), name="coordinator-heartbeat"),
         ]
+        self._resync_prefix_index()
 
     @staticmethod
     async def _supervised(loop_fn) -> None:
@@ -170,12 +179,25 @@ class CoordinatorClient:
             self._on_snapshot(message)
         elif isinstance(message, Topology):
             self._on_topology(message)
+        elif isinstance(message, KvDelta):
+            if self.prefix_index is not None:
+                self.prefix_index.on_delta(message)
+                self._resync_prefix_index()
+        elif isinstance(message, KvIndexSnapshot):
+            if self.prefix_index is not None:
+                self.prefix_index.on_snapshot(message)
+                self._resync_prefix_index()  # deltas kept meanwhile may have had a gap
         elif isinstance(message, RegisterAck):
             if message.accepted:
                 self._handle_ack(message)
             else:
                 log.error("the coordinator refused this frontend: %s", message.error)
         # StartWave, Shutdown and FrontendGone are meant for engines.
+
+    def _resync_prefix_index(self) -> None:
+        """Ask for the index's snapshot when the mirror is out of sync (at most every second)."""
+        if self.prefix_index is not None and self.prefix_index.wants_snapshot(time.monotonic()):
+            self._control.send_multipart(frames(self.guard.deployment_id, KvIndexRequest(self._settings.frontend_id)))
 
     async def _control_loop(self) -> None:
         while True:
@@ -221,6 +243,7 @@ class CoordinatorClient:
             await self._control.send_multipart(
                 frames(self.guard.deployment_id, Heartbeat(self._settings.frontend_id, time.time(), stats))
             )
+            self._resync_prefix_index()  # just started, or an answer lost
             silent_s = time.monotonic() - self._last_broadcast_s
             if silent_s > self._settings.coordinator_silence_s:
                 log.warning("no broadcast from the coordinator for %.0f s; registering again", silent_s)

@@ -52,6 +52,7 @@ from dpserve_shared.schema import (
 from dpserve_shared.waves import FrontendWaves
 
 from dpserve_frontend.engine_liveness import enable_heartbeats, watch_connection
+from dpserve_frontend.prefix_index import PrefixIndex
 from dpserve_frontend.router import AdmissionLimits, NoEngineAvailable, Router
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class EnginePool:
     ):
         self.frontend_id = frontend_id
         self._router = Router()
+        self.prefix_index = PrefixIndex()  # every rank's prefix cache, as the coordinator publishes it
+        self.block_size = 0  # the engines' KV block size (from the topology; 0: unknown, no prefix routing)
         self.admission = admission or AdmissionLimits()
         self._context = context or zmq.asyncio.Context.instance()
         self._engines: dict[int, _EngineConn] = {}
@@ -139,6 +142,7 @@ class EnginePool:
         self.topology = topology
         self.expected_size = topology.data_parallel_size or len(topology.engines)
         listed = {info.rank: info for info in topology.engines}
+        self.block_size = next((info.block_size for info in topology.engines if info.block_size), self.block_size)
         gone = []
         for rank, conn in self._engines.items():
             info = listed.get(rank)
