@@ -110,6 +110,10 @@ class EngineLoad(_Part):
     generation_tokens: int = 0  # tokens generated (cumulative)
     num_preemptions: int = 0
     decode_compiled: bool = False  # decode steps run the compiled graph (False while it is prepared, or eager)
+    # Measured: prompt tokens prefilled / decode tokens generated per second of step time (moving averages; 0 =
+    # not measured yet). The cache-aware router's cost divides by them (frontend routing_cost.py).
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
 
 
 class FrontendStats(_Part):

@@ -19,6 +19,7 @@ from dpserve_engine.model_runner import ModelRunner, StepResult
 from dpserve_engine.scheduler import ScheduledBatch, Scheduler
 from dpserve_engine.sequence import Sequence
 from dpserve_engine.settings import EngineConfig, export_inductor_cache_dir
+from dpserve_engine.step_rates import StepRates
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EngineCore(EngineCoreBase):
         self.num_steps = 0
         self.num_prompt_tokens = 0  # computed (prefilled) prompt tokens, cumulative
         self.num_generation_tokens = 0
+        self.rates = StepRates()  # measured prefill / decode tokens per second (for routing)
 
     @classmethod
     def from_model(cls, config: EngineConfig, model: Transformer, model_info: ModelInfo) -> EngineCore:
@@ -144,7 +146,10 @@ class EngineCore(EngineCoreBase):
         batch = self.scheduler.schedule()
         if not batch:
             return expired
+        started = time.perf_counter()
         result = self.runner.run(batch)
+        num_decode_tokens = batch.num_decodes
+        self.rates.record(sum(batch.num_tokens) - num_decode_tokens, num_decode_tokens, time.perf_counter() - started)
         return expired + self._postprocess(batch, result)
 
     def _expire_queued(self) -> list[RequestOutput]:
@@ -226,6 +231,8 @@ class EngineCore(EngineCoreBase):
             generation_tokens=self.num_generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             decode_compiled=self.runner.compiled is not None,
+            prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+            decode_tokens_per_s=self.rates.decode_tokens_per_s,
         )
 
 

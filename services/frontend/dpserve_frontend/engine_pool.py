@@ -35,6 +35,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from dpserve_shared.block_hash import block_hashes
 from dpserve_shared.codec import encode, frontend_decoder
 from dpserve_shared.schema import (
     AbortRequests,
@@ -53,7 +54,8 @@ from dpserve_shared.waves import FrontendWaves
 
 from dpserve_frontend.engine_liveness import enable_heartbeats, watch_connection
 from dpserve_frontend.prefix_index import PrefixIndex
-from dpserve_frontend.router import AdmissionLimits, NoEngineAvailable, Router
+from dpserve_frontend.router import AdmissionLimits, NoEngineAvailable, Router, RoutingPolicy
+from dpserve_frontend.routing_cost import PromptMatch
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +109,10 @@ class EnginePool:
         on_resend: Callable[[], None] | None = None,
         migration_limit: int = 3,
         admission: AdmissionLimits | None = None,
+        routing: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
     ):
         self.frontend_id = frontend_id
-        self._router = Router()
+        self._router = Router(routing)
         self.prefix_index = PrefixIndex()  # every rank's prefix cache, as the coordinator publishes it
         self.block_size = 0  # the engines' KV block size (from the topology; 0: unknown, no prefix routing)
         self.admission = admission or AdmissionLimits()
@@ -254,7 +257,9 @@ class EnginePool:
         no rank serves, `RankNotServing` for a pin that does not and `QueuesFull` when admission control refuses
         it (then nothing is sent)."""
         num_tokens = sum(len(request.prompt_token_ids) for request in requests)
-        rank = self._router.pick(pinned_rank, num_seqs=len(requests), num_tokens=num_tokens, limits=self.admission)
+        prompt = self._match_prompt(requests[0].prompt_token_ids) if pinned_rank is None else None
+        rank = self._router.pick(pinned_rank, num_seqs=len(requests), num_tokens=num_tokens, limits=self.admission,
+                                 prompt=prompt)  # fmt: skip
         if rank not in self._engines:
             raise NoEngineAvailable(f"engine rank {rank} is not connected")
         wave, wake_up = self.waves.stamp(rank)
@@ -268,6 +273,19 @@ class EnginePool:
             self.on_start_wave(wake_up)
         return rank
 
+    def _match_prompt(self, token_ids: list[int]) -> PromptMatch | None:
+        """Cache-aware routing: the prompt hashed once (its full blocks but the last token's) and matched against
+        every rank's prefix cache at once. None for the other policies."""
+        if self._router.policy is not RoutingPolicy.CACHE_AWARE:
+            return None
+        block_size = self.block_size
+        if block_size <= 0:
+            return PromptMatch(len(token_ids), tie_key=len(token_ids))
+        hashes = block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
+        if not hashes:
+            return PromptMatch(len(token_ids), tie_key=len(token_ids))
+        return PromptMatch(len(token_ids), self.prefix_index.match(hashes), block_size, tie_key=hashes[0])
+
     def _may_move(self, entry: _InFlight) -> bool:
         return entry.migrations < (self.migration_limit if entry.token_ids else max(1, self.migration_limit))
 
@@ -275,7 +293,8 @@ class EnginePool:
         """Move a sequence whose rank was dropped (or gave it back) to the router's pick (as it was stamped: same
         wave): itself if it has no token yet, else its continuation. False when no (other) rank serves."""
         try:
-            rank = self._router.pick(exclude=exclude)
+            num_tokens = len(entry.request.prompt_token_ids) + len(entry.token_ids)
+            rank = self._router.pick(exclude=exclude, num_tokens=num_tokens)
         except NoEngineAvailable:
             return False
         entry.rank = rank

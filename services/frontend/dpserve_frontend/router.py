@@ -1,6 +1,12 @@
 """Which engine rank gets the next request. Pure: no sockets, no clock.
 
-Scheduling rule (vLLM's data-parallel load balancing, with its known fixes):
+Three policies (`RoutingPolicy`, --routing): least-loaded (the default, below), cache-aware (the lowest
+estimated time to first token, routing_cost.py: the prompt's tokens not in the rank's prefix cache plus the
+prefill already queued there, over the rank's measured prefill rate, plus its decode and KV pressure; ties start
+at the prompt's first block hash, so every API server given the same view picks the same rank) and round-robin
+(the next candidate with room).
+
+Least-loaded (vLLM's data-parallel load balancing, with its known fixes):
 
     cost(rank) = 4 * (waiting + sent) + running
 
@@ -26,11 +32,20 @@ requests already accepted (their rank died) are never refused.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterable
 
 from dpserve_shared.schema import EngineLoad
 
+from dpserve_frontend.routing_cost import PromptMatch, RankState, estimated_ttft_s
+
 WAITING_WEIGHT = 4
+
+
+class RoutingPolicy(str, enum.Enum):
+    LEAST_LOADED = "least-loaded"
+    CACHE_AWARE = "cache-aware"
+    ROUND_ROBIN = "round-robin"
 
 
 class NoEngineAvailable(Exception):
@@ -89,6 +104,10 @@ class _RankLoad:
     num_sent: int = 0  # sequences this frontend sent since the snapshot
     num_waiting_tokens: int = 0  # prompt tokens still to prefill of the waiting ones (snapshot)
     num_sent_tokens: int = 0  # prompt tokens of this frontend's sends since the snapshot
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefill_tokens_per_s: float = 0.0  # the rank's measured rates (0: none yet)
+    decode_tokens_per_s: float = 0.0
 
     @property
     def num_queued(self) -> int:
@@ -101,9 +120,14 @@ class _RankLoad:
     def cost(self) -> int:
         return WAITING_WEIGHT * (self.num_waiting + self.num_sent) + self.num_running
 
+    def state(self) -> RankState:
+        return RankState(self.num_queued_tokens, self.num_running, self.kv_blocks_used, self.kv_blocks_total,
+                         self.prefill_tokens_per_s, self.decode_tokens_per_s)  # fmt: skip
+
 
 class Router:
-    def __init__(self) -> None:
+    def __init__(self, policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED) -> None:
+        self.policy = policy
         self._loads: dict[int, _RankLoad] = {}
         self._serving: list[int] = []  # sorted
         self._next_start = 0
@@ -129,6 +153,10 @@ class Router:
                 entry.num_waiting = load.num_waiting
                 entry.num_running = load.num_running
                 entry.num_waiting_tokens = load.num_waiting_tokens
+                entry.kv_blocks_used = load.kv_blocks_used
+                entry.kv_blocks_total = load.kv_blocks_total
+                entry.prefill_tokens_per_s = load.prefill_tokens_per_s
+                entry.decode_tokens_per_s = load.decode_tokens_per_s
         for entry in self._loads.values():
             entry.num_sent = 0
             entry.num_sent_tokens = 0
@@ -140,9 +168,11 @@ class Router:
         exclude: int | None = None,
         num_tokens: int = 0,
         limits: AdmissionLimits | None = None,
+        prompt: PromptMatch | None = None,
     ) -> int:
         """Choose a rank (other than `exclude`: one that just gave a request back) whose queue has room under
         `limits` (None: no admission control), and count `num_seqs` sends of `num_tokens` prompt tokens to it.
+        `prompt`: the request's prompt matched against every rank's prefix cache (cache-aware routing).
         Raises `QueuesFull` when no candidate has room."""
         if limits is not None and not limits.is_enabled:
             limits = None
@@ -154,7 +184,7 @@ class Router:
             if reason is not None:
                 raise QueuesFull(reason, f"data-parallel rank {rank}'s queue is full ({limits.describe(reason)}); retry later")
         else:
-            rank = self._lowest_cost(exclude, limits, num_seqs, num_tokens)
+            rank = self._lowest_cost(exclude, limits, num_seqs, num_tokens, prompt)
         load = self._loads[rank]
         load.num_sent += num_seqs
         load.num_sent_tokens += num_tokens
@@ -162,12 +192,13 @@ class Router:
 
     def _lowest_cost(
         self, exclude: int | None = None, limits: AdmissionLimits | None = None, num_seqs: int = 1,
-        num_tokens: int = 0,
+        num_tokens: int = 0, prompt: PromptMatch | None = None,
     ) -> int:  # fmt: skip
         ranks = self._serving if exclude is None else [r for r in self._serving if r != exclude]
         if not ranks:
             raise NoEngineAvailable("no engine rank is serving")
-        start = self._next_start % len(ranks)
+        is_keyed = self.policy is RoutingPolicy.CACHE_AWARE and prompt is not None
+        start = (prompt.tie_key if is_keyed else self._next_start) % len(ranks)
         best_rank, best_cost = -1, None
         refusals = set()
         for i in range(len(ranks)):
@@ -178,7 +209,7 @@ class Router:
                 if reason is not None:
                     refusals.add(reason)
                     continue
-            cost = load.cost()
+            cost = self._cost(rank, load, num_tokens, prompt)
             if best_cost is None or cost < best_cost:
                 best_rank, best_cost = rank, cost
         if best_cost is None:
@@ -188,5 +219,15 @@ class Router:
         self._next_start = start + 1
         return best_rank
 
+    def _cost(self, rank: int, load: _RankLoad, num_tokens: int, prompt: PromptMatch | None) -> float:
+        if self.policy is RoutingPolicy.LEAST_LOADED:
+            return load.cost()
+        if self.policy is RoutingPolicy.ROUND_ROBIN:
+            return 0  # every candidate ties: the rotation picks
+        if prompt is None:
+            return estimated_ttft_s(load.state(), num_tokens)
+        return estimated_ttft_s(load.state(), prompt.num_tokens, prompt.num_cached_tokens(rank), prompt.block_size)
+
     def cost(self, rank: int) -> int:
+        """The least-loaded cost (for inspection)."""
         return self._loads[rank].cost()
