@@ -114,6 +114,10 @@ class EngineLoad(_Part):
     # not measured yet). The cache-aware router's cost divides by them (frontend routing_cost.py).
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    # Set by the coordinator on a LoadSnapshot: requests (and their prompt tokens) that API servers routed to the
+    # rank and its engine has not reported receiving yet (coordinator reservations.py).
+    num_reserved: int = 0
+    num_reserved_tokens: int = 0
 
 
 class FrontendStats(_Part):
@@ -258,8 +262,27 @@ class Heartbeat(_Msg, tag="heartbeat"):
     stats: FrontendStats | None = None  # a frontend's figures (engines send none)
 
 
+class RankCount(_Part):
+    """Requests (and their prompt tokens) one API server sent to one rank's engine, cumulative since it started
+    sending to that engine (a rank's next engine starts from 0)."""
+
+    rank: int
+    engine_id: str
+    num_requests: int = 0
+    num_tokens: int = 0
+
+
+class FrontendCount(_Part):
+    """Requests (and their prompt tokens) one engine received from one API server, cumulative since it started."""
+
+    frontend_id: str
+    num_requests: int = 0
+    num_tokens: int = 0
+
+
 class EngineStats(_Msg, tag="engine_stats"):
     load: EngineLoad
+    received: list[FrontendCount] = []  # per API server: what reached this engine (reservations end there)
 
 
 class StartWaveRequest(_Msg, tag="start_wave_request"):
@@ -370,6 +393,15 @@ class KvDelta(_Msg, tag="kv_delta"):
     ranks: list[RankBlocks] = []
 
 
+class RoutedRequests(_Msg, tag="routed"):
+    """Frontend -> coordinator (control), when it changed (at most every 20 ms): what this API server has routed
+    to each rank so far. The coordinator reserves what the engines have not reported receiving (EngineStats
+    .received) on the next LoadSnapshot, so API servers routing a burst at once see each other's picks."""
+
+    frontend_id: str
+    sent: list[RankCount] = []
+
+
 class KvIndexRequest(_Msg, tag="kv_index_request"):
     """Frontend -> coordinator (control): send me the whole index (just started, a gap, a new coordinator)."""
 
@@ -396,6 +428,7 @@ ToCoordinator = (
     | ScaleRequest
     | KvEvents
     | KvIndexRequest
+    | RoutedRequests
 )
 FromCoordinator = (
     Topology

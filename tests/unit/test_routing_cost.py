@@ -128,3 +128,28 @@ def test_round_robin_takes_turns_and_skips_full_queues():
     assert router.pick(limits=limits) == 0
     # rank 1's queue (1 waiting + 2 sent) is full: its turn goes to the next
     assert router.pick(limits=limits) == 2
+
+
+# -- sessions (X-Session-Id) ---------------------------------------------------------------------------------------
+
+
+def test_a_session_stays_on_its_rank_until_it_saturates():
+    from dpserve_frontend.router import SESSION_SLACK
+
+    router = router_with(RoutingPolicy.LEAST_LOADED, loads(rank_0=(0, 0), rank_1=(0, 0), rank_2=(0, 0)))
+    first = router.pick(session_id="conv")
+    assert all(router.pick(session_id="conv") == first for _ in range(SESSION_SLACK))
+    assert router.pick(session_id="conv") != first  # its queue is SESSION_SLACK + 1 longer than the others'
+    assert router.pick(session_id="other") not in ()  # other sessions route by the policy
+
+
+def test_a_session_leaves_a_rank_that_stops_serving_or_is_full():
+    router = router_with(RoutingPolicy.ROUND_ROBIN, loads(rank_0=(0, 0), rank_1=(0, 0)), ranks=(0, 1))
+    first = router.pick(session_id="conv")
+    router.set_serving([r for r in (0, 1) if r != first])
+    assert router.pick(session_id="conv") != first
+    second = 1 - first
+    router.set_serving([0, 1])
+    router.update_snapshot([EngineLoad(rank=second, num_waiting=3), EngineLoad(rank=first)])
+    limits = AdmissionLimits(max_num_queued_requests=3)
+    assert router.pick(session_id="conv", limits=limits) == first  # its rank has no room now

@@ -27,6 +27,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -40,9 +41,11 @@ from dpserve_shared.schema import (
     KvEvents,
     KvIndexRequest,
     KvResync,
+    LoadSnapshot,
     RegisterAck,
     RegisterEngine,
     RegisterFrontend,
+    RoutedRequests,
     ScaleRequest,
     Shutdown,
     StartWaveRequest,
@@ -53,6 +56,7 @@ from dpserve_shared.waves import CoordinatorWaves
 from dpserve_coordinator.kv_index import KvIndex
 from dpserve_coordinator.launcher import EngineLauncher, LaunchError
 from dpserve_coordinator.registry import Registry, RegistrationRefused
+from dpserve_coordinator.reservations import Reservations
 from dpserve_coordinator.scaling import Scaler
 from dpserve_shared.timing import ENGINE_DRAIN_S, LOAD_HEARTBEAT_S, LOAD_MIN_INTERVAL_S, TOPOLOGY_REPUBLISH_S
 
@@ -95,6 +99,7 @@ class Coordinator:
         self.scaler = Scaler(self.registry, self.supervisor, self.reply, settings.engine_startup_timeout_s)
         self.waves = CoordinatorWaves()
         self.kv_index = KvIndex(index_id=time.time_ns() // 1_000_000)  # a restarted coordinator's is another
+        self.reservations = Reservations()  # routed work not yet reported by the engines, on every LoadSnapshot
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
@@ -337,7 +342,12 @@ class Coordinator:
             registry.heartbeat(msg.sender_id or sender, now_s, msg.stats)
         elif isinstance(msg, EngineStats):
             registry.update_load(sender, msg.load, now_s)
+            engine = registry.engine_by_id(sender)
+            if engine is not None and msg.received:
+                self.reservations.on_received(engine.rank, sender, msg.received)
             self._follow_waves()
+        elif isinstance(msg, RoutedRequests):
+            self.reservations.on_sent(msg.frontend_id or sender, msg.sent)
         elif isinstance(msg, RegisterEngine):
             try:
                 rank = registry.register_engine(msg, now_s)
@@ -362,6 +372,7 @@ class Coordinator:
             sender_id = msg.sender_id
             if registry.drop_frontend(sender_id):
                 log.info("frontend %s unregistered", sender_id)
+                self.reservations.drop_frontend(sender_id)
                 self._publish(FrontendGone(sender_id))
             else:
                 engine = registry.engine_by_id(sender_id)
@@ -402,19 +413,31 @@ class Coordinator:
             self._publish(delta)
 
     def _load_state(self) -> tuple[int, int, bool]:
-        """What a LoadSnapshot carries, as a version: the registry's loads and the wave state."""
-        return self.registry.load_version, self.waves.wave, self.waves.running
+        """What a LoadSnapshot carries, as a version: the registry's loads, the reservations and the wave state."""
+        return self.registry.load_version, self.reservations.version, self.waves.wave, self.waves.running
+
+    def _load_snapshot(self) -> LoadSnapshot:
+        snapshot = self.registry.load_snapshot(self.waves.wave, self.waves.running, time.time())
+        reservations = self.reservations
+        snapshot.loads = [
+            msgspec.structs.replace(load, num_reserved=requests, num_reserved_tokens=tokens)
+            if (requests, tokens) != (0, 0) else load
+            for load in snapshot.loads
+            for requests, tokens in [reservations.reserved(load.rank)]
+        ]  # fmt: skip
+        return snapshot
 
     async def _publish_loop(self) -> None:
         last_topology = last_load = 0.0
         published_epoch = -1
-        published_load = (-1, -1, False)
+        published_load = (-1, -1, -1, False)
         while self.state is not CoordinatorState.STOPPED:
             now = time.monotonic()
             gone, dead = self.registry.expire(now)
             for frontend_id in gone:
                 log.warning("frontend %s silent for %.0f s: dropped", frontend_id, self.settings.frontend_timeout_s)
                 self._publish(FrontendGone(frontend_id))
+                self.reservations.drop_frontend(frontend_id)
             for rank in dead:
                 log.error("rank %d: DEAD (%s)", rank, self.registry.engines[rank].dead_reason)
                 if self.supervisor.is_watching(rank):  # silent or stuck, its process still there: kill, replace
@@ -423,7 +446,9 @@ class Coordinator:
                 await asyncio.sleep(0.02)
                 continue
             if self.registry.epoch != published_epoch:
-                self.kv_index.follow(self.registry.serving_engines())  # dead, replaced, removed: blocks gone
+                serving = self.registry.serving_engines()
+                self.kv_index.follow(serving)  # dead, replaced, removed: blocks gone
+                self.reservations.follow(serving)
             self._publish_kv_delta()
             if self.registry.epoch != published_epoch or now - last_topology >= TOPOLOGY_REPUBLISH_S:
                 self._publish(self.registry.topology())
@@ -431,7 +456,7 @@ class Coordinator:
                 last_topology = now
             changed = self._load_state() != published_load
             if (changed and now - last_load >= LOAD_MIN_INTERVAL_S) or now - last_load >= LOAD_HEARTBEAT_S:
-                self._publish(self.registry.load_snapshot(self.waves.wave, self.waves.running, time.time()))
+                self._publish(self._load_snapshot())
                 published_load = self._load_state()
                 last_load = now
             await asyncio.sleep(0.02)

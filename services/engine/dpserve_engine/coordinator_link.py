@@ -34,6 +34,7 @@ from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import (
     EngineLoad,
     EngineStats,
+    FrontendCount,
     Heartbeat,
     KvEvents,
     KvResync,
@@ -197,21 +198,25 @@ class CoordinatorLink:
         """One message to the coordinator on the control socket, in this deployment's envelope."""
         self.control.send_multipart(frames(self.guard.deployment_id, msg), flags)
 
-    def report(self, load: EngineLoad, now: float) -> None:
-        """EngineStats when the routing-relevant load changed (at most every STATS_MIN_INTERVAL_S), and when
-        anything changed, counters included, every COUNTERS_INTERVAL_S."""
-        self._maybe_send_stats(load, now)
+    def report(self, load: EngineLoad, now: float, num_received: int = 0,
+               received: Callable[[], list[FrontendCount]] | None = None) -> None:  # fmt: skip
+        """EngineStats when the routing-relevant load or the requests received changed (at most every
+        STATS_MIN_INTERVAL_S), and when anything changed, counters included, every COUNTERS_INTERVAL_S.
+        `received()`: the requests received per frontend (EngineStats.received), `num_received` their total."""
+        self._maybe_send_stats(load, now, num_received, received)
         if now >= self.next_counters_s:
-            self._maybe_send_stats(load, now, force_counters=True)
+            self._maybe_send_stats(load, now, num_received, received, force_counters=True)
             self.next_counters_s = now + COUNTERS_INTERVAL_S
 
-    def _maybe_send_stats(self, load: EngineLoad, now: float, force_counters: bool = False) -> None:
-        key = _load_key(load)
+    def _maybe_send_stats(self, load: EngineLoad, now: float, num_received: int = 0,
+                          received: Callable[[], list[FrontendCount]] | None = None,
+                          force_counters: bool = False) -> None:  # fmt: skip
+        key = (*_load_key(load), num_received)
         changed = key != self._last_stats_key
         if force_counters and not changed:
             changed = self._last_counters is None or load != self._last_counters
         if changed and (force_counters or now - self._last_stats_s >= STATS_MIN_INTERVAL_S):
-            self.send(EngineStats(load))
+            self.send(EngineStats(load, received() if received is not None else []))
             self._last_stats_key = key
             self._last_stats_s = now
             self._last_counters = load

@@ -146,7 +146,7 @@ class EngineService:
             load = self._load()
             self.frontends.flush(load)
             now = time.monotonic()
-            self.coordinator.report(load, now)
+            self.coordinator.report(load, now, self.frontends.num_received, self.frontends.received)
             if now >= next_parent_check:
                 next_parent_check = now + PARENT_CHECK_INTERVAL_S
                 self._watch(now)

@@ -7,6 +7,8 @@
 - broadcast: a SUB to the coordinator's PUB, following `Topology`, `LoadSnapshot` and `KvDelta` (the prefix-cache
   index, mirrored in prefix_index.py; out of sync it sends `KvIndexRequest` and the `KvIndexSnapshot` comes back
   on the control socket).
+- routing: `RoutedRequests` (what this API server routed to each rank, cumulative) when it changed, at most every
+  ROUTED_INTERVAL_S, so the coordinator reserves it on the next LoadSnapshot for every API server to see.
 
 If the coordinator goes silent (no broadcast for `coordinator_silence_s`), the frontend keeps serving with the
 last topology and registers again, so a restarted coordinator (new PUB port) is picked up without a restart.
@@ -35,6 +37,7 @@ from dpserve_shared.schema import (
     LoadSnapshot,
     RegisterAck,
     RegisterFrontend,
+    RoutedRequests,
     StartWaveRequest,
     Topology,
     Unregister,
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 5.0
+ROUTED_INTERVAL_S = 0.02
 
 
 class RegistrationRefused(Exception):
@@ -62,6 +66,7 @@ class CoordinatorClient:
         context: zmq.asyncio.Context | None = None,
         stats: Callable[[], FrontendStats] | None = None,
         prefix_index: PrefixIndex | None = None,
+        routed=None,
     ):
         assert settings.coordinator_addr is not None
         self._settings = settings
@@ -69,6 +74,7 @@ class CoordinatorClient:
         self._on_snapshot = on_snapshot
         self._stats = stats  # this frontend's figures, sent on every heartbeat
         self.prefix_index = prefix_index  # follows KvDelta / KvIndexSnapshot when given
+        self._routed = routed  # the EnginePool: routed_version, routed_counts() (RoutedRequests)
         self._context = context or zmq.asyncio.Context.instance()
         self._decoder = from_coordinator_decoder()
         self.guard = DeploymentGuard(settings.deployment_id, log, "coordinator link")
@@ -137,6 +143,8 @@ class CoordinatorClient:
             loop.create_task(self._supervised(self._broadcast_loop), name="coordinator-broadcast"),
             loop.create_task(self._supervised(self._heartbeat_loop), name="coordinator-heartbeat"),
         ]
+        if self._routed is not None:
+            self._tasks.append(loop.create_task(self._supervised(self._routed_loop), name="coordinator-routed"))
         self._resync_prefix_index()
 
     @staticmethod
@@ -234,6 +242,16 @@ class CoordinatorClient:
                     self._handle(message)
             if snapshots:
                 self._on_snapshot(snapshots[-1])
+
+    async def _routed_loop(self) -> None:
+        sent_version = 0
+        while True:
+            await asyncio.sleep(ROUTED_INTERVAL_S)
+            version = self._routed.routed_version
+            if version != sent_version:
+                sent_version = version
+                message = RoutedRequests(self._settings.frontend_id, self._routed.routed_counts())
+                await self._control.send_multipart(frames(self.guard.deployment_id, message))
 
     async def _heartbeat_loop(self) -> None:
         interval_s = self._settings.heartbeat_interval_s

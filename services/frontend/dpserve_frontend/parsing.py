@@ -123,3 +123,18 @@ def _bad_request(e: msgspec.ValidationError) -> BadRequest:
     if text.startswith("Expected `object`") and param is None:
         return BadRequest("the request body must be a JSON object")
     return BadRequest(f"invalid request: {text}", param=param or None)
+
+
+SESSION_HEADER = "X-Session-Id"
+_MAX_SESSION_ID_LEN = 256
+
+
+def session_id(request: web.Request) -> str | None:
+    """The conversation the opt-in `X-Session-Id` header names (its requests stay on one rank until it
+    saturates: router.py); None without one."""
+    value = request.headers.get(SESSION_HEADER, "").strip()
+    if not value:
+        return None
+    if len(value) > _MAX_SESSION_ID_LEN:
+        raise BadRequest(f"{SESSION_HEADER} is longer than {_MAX_SESSION_ID_LEN} characters", param=SESSION_HEADER)
+    return value

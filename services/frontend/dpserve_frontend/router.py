@@ -8,9 +8,11 @@ at the prompt's first block hash, so every API server given the same view picks 
 
 Least-loaded (vLLM's data-parallel load balancing, with its known fixes):
 
-    cost(rank) = 4 * (waiting + sent) + running
+    cost(rank) = 4 * (waiting + reserved + sent) + running
 
-`waiting` and `running` come from the latest `LoadSnapshot` the coordinator published; `sent` counts the
+`waiting` and `running` come from the latest `LoadSnapshot` the coordinator published; `reserved` (also from the
+snapshot) is what every API server routed to the rank that its engine had not reported receiving yet
+(coordinator reservations.py), so API servers routing a burst at once see each other's picks; `sent` counts the
 requests this frontend routed to the rank since that snapshot, so a burst that arrives between two snapshots
 (which come at most every 100 ms) is spread instead of all landing on the rank that looked idle. A request's
 `sent` weight is its number of sequences (`n` children and every prompt of a batch go to one rank). A new
@@ -20,17 +22,25 @@ that rotates after every pick, so equal ranks take turns instead of rank 0 takin
 Only ranks the topology lists as READY are candidates. A rank can be pinned (HTTP header
 `X-data-parallel-rank`); pinning a rank that is not serving is the caller's error.
 
+Sessions (opt-in HTTP header `X-Session-Id`, any policy): a session's requests go to the rank its last request
+went to while that rank serves, has room (admission control) and is not saturated: its queue (waiting + reserved
++ sent) at most SESSION_SLACK requests longer than the shortest candidate's, its KV use under
+SESSION_MAX_KV_USE. Otherwise the policy picks and the session follows. This API server remembers the newest
+MAX_SESSIONS sessions (the cache-aware policy finds a conversation's prefix without it, in every API server).
+
 Admission control (`AdmissionLimits`: --max-num-queued-requests, vLLM's --max-num-queued-reqs, and
---max-num-queued-tokens, per rank): a new request may only go to a rank whose queue, as this frontend sees it (waiting requests and their prompt tokens
-from the snapshot, plus what this frontend sent since), has room for it; the lowest cost among those wins. When
-no candidate has room (a pinned request: its rank), `pick` raises `QueuesFull` and nothing is sent. A rank with
-an empty queue always takes the request, so one larger than a cap is not refused forever. Each API server counts
-only its own sends, so with several the caps are approximate, as vLLM's are across its API servers. Re-sends of
+--max-num-queued-tokens, per rank): a new request may only go to a rank whose queue, as this frontend sees it
+(waiting and reserved requests and their prompt tokens from the snapshot, plus what this frontend sent since),
+has room for it; the lowest cost among those wins. When no candidate has room (a pinned request: its rank),
+`pick` raises `QueuesFull` and nothing is sent. A rank with an empty queue always takes the request, so one
+larger than a cap is not refused forever. Another API server's sends since the last snapshot are not seen, so
+with several the caps are approximate (less so than vLLM's: the reservations close the gap within a snapshot). Re-sends of
 requests already accepted (their rank died) are never refused.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 from collections.abc import Iterable
@@ -40,6 +50,9 @@ from dpserve_shared.schema import EngineLoad
 from dpserve_frontend.routing_cost import PromptMatch, RankState, estimated_ttft_s
 
 WAITING_WEIGHT = 4
+SESSION_SLACK = 8
+SESSION_MAX_KV_USE = 0.95
+MAX_SESSIONS = 65536
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -104,6 +117,8 @@ class _RankLoad:
     num_sent: int = 0  # sequences this frontend sent since the snapshot
     num_waiting_tokens: int = 0  # prompt tokens still to prefill of the waiting ones (snapshot)
     num_sent_tokens: int = 0  # prompt tokens of this frontend's sends since the snapshot
+    num_reserved: int = 0  # every API server's picks its engine had not reported (snapshot)
+    num_reserved_tokens: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     prefill_tokens_per_s: float = 0.0  # the rank's measured rates (0: none yet)
@@ -111,14 +126,14 @@ class _RankLoad:
 
     @property
     def num_queued(self) -> int:
-        return self.num_waiting + self.num_sent
+        return self.num_waiting + self.num_reserved + self.num_sent
 
     @property
     def num_queued_tokens(self) -> int:
-        return self.num_waiting_tokens + self.num_sent_tokens
+        return self.num_waiting_tokens + self.num_reserved_tokens + self.num_sent_tokens
 
     def cost(self) -> int:
-        return WAITING_WEIGHT * (self.num_waiting + self.num_sent) + self.num_running
+        return WAITING_WEIGHT * self.num_queued + self.num_running
 
     def state(self) -> RankState:
         return RankState(self.num_queued_tokens, self.num_running, self.kv_blocks_used, self.kv_blocks_total,
@@ -131,6 +146,7 @@ class Router:
         self._loads: dict[int, _RankLoad] = {}
         self._serving: list[int] = []  # sorted
         self._next_start = 0
+        self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # session id -> rank, LRU
 
     @property
     def serving_ranks(self) -> list[int]:
@@ -153,6 +169,8 @@ class Router:
                 entry.num_waiting = load.num_waiting
                 entry.num_running = load.num_running
                 entry.num_waiting_tokens = load.num_waiting_tokens
+                entry.num_reserved = load.num_reserved
+                entry.num_reserved_tokens = load.num_reserved_tokens
                 entry.kv_blocks_used = load.kv_blocks_used
                 entry.kv_blocks_total = load.kv_blocks_total
                 entry.prefill_tokens_per_s = load.prefill_tokens_per_s
@@ -169,10 +187,12 @@ class Router:
         num_tokens: int = 0,
         limits: AdmissionLimits | None = None,
         prompt: PromptMatch | None = None,
+        session_id: str | None = None,
     ) -> int:
         """Choose a rank (other than `exclude`: one that just gave a request back) whose queue has room under
         `limits` (None: no admission control), and count `num_seqs` sends of `num_tokens` prompt tokens to it.
-        `prompt`: the request's prompt matched against every rank's prefix cache (cache-aware routing).
+        `prompt`: the request's prompt matched against every rank's prefix cache (cache-aware routing);
+        `session_id`: its conversation (X-Session-Id), kept on its rank until that saturates.
         Raises `QueuesFull` when no candidate has room."""
         if limits is not None and not limits.is_enabled:
             limits = None
@@ -184,7 +204,11 @@ class Router:
             if reason is not None:
                 raise QueuesFull(reason, f"data-parallel rank {rank}'s queue is full ({limits.describe(reason)}); retry later")
         else:
-            rank = self._lowest_cost(exclude, limits, num_seqs, num_tokens, prompt)
+            rank = self._session_rank(session_id, exclude, limits, num_seqs, num_tokens)
+            if rank is None:
+                rank = self._lowest_cost(exclude, limits, num_seqs, num_tokens, prompt)
+            if session_id is not None:
+                self._remember(session_id, rank)
         load = self._loads[rank]
         load.num_sent += num_seqs
         load.num_sent_tokens += num_tokens
@@ -218,6 +242,27 @@ class Router:
             raise QueuesFull(reason, f"every serving rank's queue is full ({limits.describe(reason)}); retry later")
         self._next_start = start + 1
         return best_rank
+
+    def _session_rank(self, session_id: str | None, exclude: int | None, limits: AdmissionLimits | None,
+                      num_seqs: int, num_tokens: int) -> int | None:  # fmt: skip
+        """The session's rank if it may take this request (see the module docstring), else None."""
+        rank = self._sessions.get(session_id) if session_id is not None else None
+        load = self._loads.get(rank) if rank is not None else None
+        if load is None or rank == exclude:
+            return None
+        if limits is not None and limits.refusal(load, num_seqs, num_tokens) is not None:
+            return None
+        shortest = min(self._loads[r].num_queued for r in self._serving)
+        is_kv_full = load.kv_blocks_total > 0 and load.kv_blocks_used >= SESSION_MAX_KV_USE * load.kv_blocks_total
+        if load.num_queued > shortest + SESSION_SLACK or is_kv_full:
+            return None
+        return rank
+
+    def _remember(self, session_id: str, rank: int) -> None:
+        self._sessions[session_id] = rank
+        self._sessions.move_to_end(session_id)
+        if len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
 
     def _cost(self, rank: int, load: _RankLoad, num_tokens: int, prompt: PromptMatch | None) -> float:
         if self.policy is RoutingPolicy.LEAST_LOADED:

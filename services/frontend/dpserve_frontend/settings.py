@@ -12,6 +12,8 @@ from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
 from dpserve_shared.status import API_KEY_ENV
 from dpserve_shared.timing import COORDINATOR_SILENCE_S, HEARTBEAT_INTERVAL_S
 
+from dpserve_frontend.router import RoutingPolicy
+
 ENV_PREFIX = "DPSERVE_"
 
 
@@ -37,6 +39,7 @@ class FrontendSettings:
     # Admission control (router.py): per rank, what may wait in its queue; None = no cap
     max_num_queued_requests: int | None = None
     max_num_queued_tokens: int | None = None
+    routing: RoutingPolicy = RoutingPolicy.LEAST_LOADED  # --routing (router.py)
 
 
 def add_migration_flag(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +48,17 @@ def add_migration_flag(parser: argparse.ArgumentParser) -> None:
                         help="how many times a request moves to another rank when its rank dies: a started stream "
                              "goes on as its continuation (prompt + the tokens so far), with no gap or repeat; 0: a "
                              "started stream ends with an error event instead (default: %(default)s)")
+
+
+def add_routing_flag(parser: argparse.ArgumentParser) -> None:
+    """--routing, for the frontend and for `dpserve serve` (which passes it on)."""
+    parser.add_argument("--routing", choices=[p.value for p in RoutingPolicy],
+                        default=RoutingPolicy.LEAST_LOADED.value,
+                        help="how a request's rank is chosen: least-loaded (fewest waiting and running requests), "
+                             "cache-aware (the lowest estimated time to first token: the prompt tokens not in the "
+                             "rank's prefix cache plus its queued prefill, over its measured prefill rate, plus its "
+                             "decode and KV pressure; every API server sees the same cache view), or round-robin "
+                             "(default: %(default)s)")
 
 
 def add_admission_flags(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "name them once in the log, as vLLM does)")
     add_migration_flag(parser)
     add_admission_flags(parser)
+    add_routing_flag(parser)
     add_shutdown_timeout_flag(parser, "--drain-timeout")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file (or the template itself) replacing the model's own, as "
@@ -170,6 +185,7 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         shutdown_timeout_s=args.shutdown_timeout,
         max_num_queued_requests=args.max_num_queued_requests,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        routing=RoutingPolicy(args.routing),
         stats_interval_s=args.stats_interval,
         ready_file=args.ready_file,
         strict_request_fields=args.strict_request_fields,

@@ -42,6 +42,7 @@ class FrontendState:
             on_resend=self.metrics.migrations.inc,
             migration_limit=settings.migration_limit,
             admission=AdmissionLimits(settings.max_num_queued_requests, settings.max_num_queued_tokens),
+            routing=settings.routing,
         )
         self.tokenizer: ModelTokenizer | None = None
         self.model_info: ModelInfo | None = None
