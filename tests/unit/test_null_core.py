@@ -39,7 +39,6 @@ def test_null_core_prefix_cache_hits_shared_prefixes_and_reports_kv_events(model
     assert second.num_cached_tokens == 8
     load = core.load()
     assert (load.prefix_queries, load.prefix_hits) == (21, 8)
-    assert load.prefill_tokens_per_s > 0
     core.add_request(EngineRequest("c", list(range(50, 62)), SamplingParams(max_tokens=1)))  # 3 new blocks
     core.step()
     stored, removed = core.take_kv_events()

@@ -81,13 +81,15 @@ def test_a_long_queue_outweighs_the_cache_hit():
     assert router.pick(num_tokens=1000, prompt=match_on(index, prompt)) in (0, 2)
 
 
-def test_own_sends_count_as_queued_tokens():
+def test_own_sends_count_their_uncached_tokens_as_queued():
     prompt = list(range(1000))
     index = PrefixIndex()
-    index.blocks.store(1, block_hashes(prompt, BS))
     router = router_with(RoutingPolicy.CACHE_AWARE, loads(rank_0=(0, 0), rank_1=(0, 0), rank_2=(0, 0)))
-    picks = [router.pick(num_tokens=1000, prompt=match_on(index, prompt)) for _ in range(4)]
-    assert picks[0] == 1 and set(picks) != {1}  # the hit is taken, then its queue sends the rest elsewhere
+    picks = [router.pick(num_tokens=1000, prompt=match_on(index, prompt)) for _ in range(3)]
+    assert sorted(picks) == [0, 1, 2]  # nothing cached: each send queues 1000 tokens on its rank
+    index.blocks.store(1, block_hashes(prompt, BS))
+    hits = [router.pick(num_tokens=1000, prompt=match_on(index, prompt)) for _ in range(3)]
+    assert hits == [1, 1, 1]  # a hit queues one token: the holder stays the cheapest
 
 
 def test_two_routers_given_the_same_view_make_the_same_choice():

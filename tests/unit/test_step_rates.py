@@ -16,5 +16,7 @@ def test_first_sample_then_moving_average():
     assert rates.decode_tokens_per_s == 80.0
     rates.record(500, 0, 0.5)
     assert rates.prefill_tokens_per_s == pytest.approx(2000.0 + ALPHA * (1000.0 - 2000.0))
+    rates.record(3, 4, 0.01)  # a small prefill (mostly the step's fixed cost) is no sample of either
+    assert rates.prefill_tokens_per_s == pytest.approx(1800.0) and rates.decode_tokens_per_s == 80.0
     rates.record(0, 0, 0.0)  # nothing measured
     assert rates.decode_tokens_per_s == 80.0

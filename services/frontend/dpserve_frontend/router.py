@@ -211,7 +211,8 @@ class Router:
                 self._remember(session_id, rank)
         load = self._loads[rank]
         load.num_sent += num_seqs
-        load.num_sent_tokens += num_tokens
+        # the prefill it queues: with a prompt match (cache-aware), what the rank's cache does not hold
+        load.num_sent_tokens += num_tokens - (prompt.num_cached_tokens(rank) if prompt is not None else 0)
         return rank
 
     def _lowest_cost(
