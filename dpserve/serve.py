@@ -39,6 +39,7 @@ from dpserve_frontend.settings import (
     FrontendSettings,
     add_admission_flags,
     add_migration_flag,
+    add_routing_flag,
     add_shutdown_timeout_flag,
     add_http_limit_flags,
     http_limit_argv,
@@ -78,6 +79,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_migration_flag(parser)
     add_security_flags(parser)
     add_admission_flags(parser)
+    add_routing_flag(parser)
     add_shutdown_timeout_flag(parser)
     add_http_limit_flags(parser)
     add_engine_flags(parser)
@@ -185,6 +187,8 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
         cmd += ["--max-num-queued-tokens", str(args.max_num_queued_tokens)]
     if args.shutdown_timeout != FrontendSettings.shutdown_timeout_s:
         cmd += ["--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.routing != FrontendSettings.routing.value:
+        cmd += ["--routing", args.routing]
     if ready_file:
         cmd += ["--ready-file", ready_file]
     if deployment_id:

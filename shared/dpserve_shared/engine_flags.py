@@ -62,6 +62,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     ),
     EngineFlag("--null-engine", "switch", "no model: tokens on a fixed step time (benchmarks, simulation)"),
     EngineFlag("--null-step-time-ms", float, "the null engine's step time"),
+    EngineFlag("--null-prefill-time-per-token-s", float,
+               "the null engine's prefill cost per prompt token its prefix cache does not hold, added to the step "
+               "that admits the request (routing quality without a model)"),
 )  # fmt: skip
 
 

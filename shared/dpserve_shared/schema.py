@@ -110,6 +110,14 @@ class EngineLoad(_Part):
     generation_tokens: int = 0  # tokens generated (cumulative)
     num_preemptions: int = 0
     decode_compiled: bool = False  # decode steps run the compiled graph (False while it is prepared, or eager)
+    # Measured: prompt tokens prefilled / decode tokens generated per second of step time (moving averages; 0 =
+    # not measured yet). The cache-aware router's cost divides by them (frontend routing_cost.py).
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    # Set by the coordinator on a LoadSnapshot: requests (and their prompt tokens) that API servers routed to the
+    # rank and its engine has not reported receiving yet (coordinator reservations.py).
+    num_reserved: int = 0
+    num_reserved_tokens: int = 0
 
 
 class FrontendStats(_Part):
@@ -139,6 +147,7 @@ class EngineInfo(_Part):
     restarts: int = 0  # replacements started for this rank so far
     failed: bool = False  # in a crash loop: it died soon after each of its last starts (retried on a back-off)
     deaths: dict[str, int] = {}  # times it went DEAD, by kind (killed, exited, missed_heartbeats, stuck, ...)
+    block_size: int = 0  # tokens per KV block (prefix-cache hashes are per block; 0: an engine before #17)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,6 +241,7 @@ class RegisterEngine(_Msg, tag="register_engine"):
     kv_blocks_total: int = 0
     node_ip: str = ""
     pid: int = 0
+    block_size: int = 0  # tokens per KV block: what its prefix cache hashes (dpserve_shared.block_hash)
 
 
 class RegisterFrontend(_Msg, tag="register_frontend"):
@@ -252,8 +262,27 @@ class Heartbeat(_Msg, tag="heartbeat"):
     stats: FrontendStats | None = None  # a frontend's figures (engines send none)
 
 
+class RankCount(_Part):
+    """Requests (and their prompt tokens) one API server sent to one rank's engine, cumulative since it started
+    sending to that engine (a rank's next engine starts from 0)."""
+
+    rank: int
+    engine_id: str
+    num_requests: int = 0
+    num_tokens: int = 0
+
+
+class FrontendCount(_Part):
+    """Requests (and their prompt tokens) one engine received from one API server, cumulative since it started."""
+
+    frontend_id: str
+    num_requests: int = 0
+    num_tokens: int = 0
+
+
 class EngineStats(_Msg, tag="engine_stats"):
     load: EngineLoad
+    received: list[FrontendCount] = []  # per API server: what reached this engine (reservations end there)
 
 
 class StartWaveRequest(_Msg, tag="start_wave_request"):
@@ -324,6 +353,69 @@ class FrontendGone(_Msg, tag="frontend_gone"):
     frontend_id: str
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The shared view of the prefix caches (docs/architecture.md, "The prefix-cache index")
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KvEvents(_Msg, tag="kv_events"):
+    """Engine -> coordinator (control): the block hashes its prefix cache stored and evicted since its last
+    KvEvents (net: a hash is in at most one list), batched per step. `seq` counts this engine process's KvEvents
+    from 1; a snapshot (the answer to KvResync) lists every hash it holds in `stored` and replaces the rank's set."""
+
+    seq: int
+    stored: list[int] = []
+    removed: list[int] = []
+    is_snapshot: bool = False
+
+
+class KvResync(_Msg, tag="kv_resync"):
+    """Coordinator -> one engine (control): send a snapshot of your prefix cache (a gap in your KvEvents)."""
+
+
+class RankBlocks(_Part):
+    """One rank's change in a KvDelta (with `reset`: its set was emptied first), or its whole set in a
+    KvIndexSnapshot."""
+
+    rank: int
+    stored: list[int] = []
+    removed: list[int] = []
+    reset: bool = False
+
+
+class KvDelta(_Msg, tag="kv_delta"):
+    """Coordinator -> frontends (PUB): the index's changes since the previous KvDelta. `seq` counts them from 1
+    per `index_id` (the coordinator's start time in ms): a frontend that sees a gap or a new index_id asks for a
+    KvIndexSnapshot."""
+
+    index_id: int
+    seq: int
+    ranks: list[RankBlocks] = []
+
+
+class RoutedRequests(_Msg, tag="routed"):
+    """Frontend -> coordinator (control), when it changed (at most every 20 ms): what this API server has routed
+    to each rank so far. The coordinator reserves what the engines have not reported receiving (EngineStats
+    .received) on the next LoadSnapshot, so API servers routing a burst at once see each other's picks."""
+
+    frontend_id: str
+    sent: list[RankCount] = []
+
+
+class KvIndexRequest(_Msg, tag="kv_index_request"):
+    """Frontend -> coordinator (control): send me the whole index (just started, a gap, a new coordinator)."""
+
+    frontend_id: str
+
+
+class KvIndexSnapshot(_Msg, tag="kv_index"):
+    """Coordinator -> one frontend (control): the whole index as of KvDelta `seq` (deltas after it follow)."""
+
+    index_id: int
+    seq: int
+    ranks: list[RankBlocks] = []
+
+
 ToEngine = EngineRequest | AbortRequests
 ToFrontend = EngineOutputs | EngineHello
 ToCoordinator = (
@@ -334,5 +426,19 @@ ToCoordinator = (
     | EngineStats
     | StartWaveRequest
     | ScaleRequest
+    | KvEvents
+    | KvIndexRequest
+    | RoutedRequests
 )
-FromCoordinator = Topology | LoadSnapshot | RegisterAck | ScaleAck | StartWave | Shutdown | FrontendGone
+FromCoordinator = (
+    Topology
+    | LoadSnapshot
+    | RegisterAck
+    | ScaleAck
+    | StartWave
+    | Shutdown
+    | FrontendGone
+    | KvResync
+    | KvDelta
+    | KvIndexSnapshot
+)

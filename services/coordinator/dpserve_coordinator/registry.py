@@ -69,6 +69,7 @@ class EngineEntry:
     failed: bool = False
     deaths: dict[str, int] = dataclasses.field(default_factory=dict)  # by death_kind()
     step_changed_s: float = 0.0  # when its load's step counter last moved (or it registered)
+    block_size: int = 0
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -83,6 +84,7 @@ class EngineEntry:
             restarts=self.restarts,
             failed=self.failed,
             deaths=dict(self.deaths),
+            block_size=self.block_size,
         )
 
 
@@ -148,6 +150,7 @@ class Registry:
             node_ip=msg.node_ip,
             pid=msg.pid,
             kv_blocks_total=msg.kv_blocks_total,
+            block_size=msg.block_size,
             last_seen_s=now_s,
             step_changed_s=now_s,
             # the rank's history (the supervisor's): a replacement keeps the count and the crash-loop mark
@@ -218,6 +221,11 @@ class Registry:
             entry.state = EngineState.DRAINING if entry.rank in self.retiring else EngineState.READY  # only late
             entry.dead_reason = ""
             self.epoch += 1
+
+    def serving_engines(self) -> dict[int, str]:
+        """rank -> engine id of the ranks whose engine serves (READY or DRAINING)."""
+        return {r: e.engine_id for r, e in self.engines.items()
+                if e.state in (EngineState.READY, EngineState.DRAINING)}  # fmt: skip
 
     def ready_ranks(self) -> list[int]:
         return sorted(r for r, e in self.engines.items() if e.state == EngineState.READY)

@@ -6,7 +6,8 @@ SERVING (ready file written; scale requests taken) -> DRAINING (on SIGTERM/SIGIN
 Shutdown broadcast, ranks stopped, actors and placement groups released, Ray stopped if it was started here) ->
 STOPPED. A second signal kills the ranks and exits at once.
 
-Publishing (PUB): Topology on every change and every 2 s; LoadSnapshot at most every 100 ms when some engine's
+Publishing (PUB): KvDelta (the prefix-cache index's changes, kv_index.py) every tick that has some; Topology on
+every change and every 2 s; LoadSnapshot at most every 100 ms when some engine's
 load or the wave state changed and every 1 s otherwise (a heartbeat for frontends); FrontendGone when a frontend
 unregisters or is silent for 5 s; StartWave when a frontend or engine asks for one (dpserve_shared.waves: for
 dense models the wave is bookkeeping, it completes when every rank's load says it stopped stepping).
@@ -26,18 +27,25 @@ import signal
 import threading
 import time
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from dpserve_shared.codec import coordinator_decoder
 from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import (
+    EngineState,
     EngineStats,
     FrontendGone,
     Heartbeat,
+    KvEvents,
+    KvIndexRequest,
+    KvResync,
+    LoadSnapshot,
     RegisterAck,
     RegisterEngine,
     RegisterFrontend,
+    RoutedRequests,
     ScaleRequest,
     Shutdown,
     StartWaveRequest,
@@ -45,8 +53,10 @@ from dpserve_shared.schema import (
 )
 from dpserve_shared.waves import CoordinatorWaves
 
+from dpserve_coordinator.kv_index import KvIndex
 from dpserve_coordinator.launcher import EngineLauncher, LaunchError
 from dpserve_coordinator.registry import Registry, RegistrationRefused
+from dpserve_coordinator.reservations import Reservations
 from dpserve_coordinator.scaling import Scaler
 from dpserve_shared.timing import ENGINE_DRAIN_S, LOAD_HEARTBEAT_S, LOAD_MIN_INTERVAL_S, TOPOLOGY_REPUBLISH_S
 
@@ -89,6 +99,8 @@ class Coordinator:
         self.supervisor = RankSupervisor(self.registry, settings, launcher)  # the backend's launcher when None
         self.scaler = Scaler(self.registry, self.supervisor, self.reply, settings.engine_startup_timeout_s)
         self.waves = CoordinatorWaves()
+        self.kv_index = KvIndex(index_id=time.time_ns() // 1_000_000)  # a restarted coordinator's is another
+        self.reservations = Reservations()  # routed work not yet reported by the engines, on every LoadSnapshot
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
@@ -349,7 +361,12 @@ class Coordinator:
                 self._unknown_engines.add(msg.sender_id)
         elif isinstance(msg, EngineStats):
             registry.update_load(sender, msg.load, now_s)
+            engine = registry.engine_by_id(sender)
+            if engine is not None and msg.received:
+                self.reservations.on_received(engine.rank, sender, msg.received)
             self._follow_waves()
+        elif isinstance(msg, RoutedRequests):
+            self.reservations.on_sent(msg.frontend_id or sender, msg.sent)
         elif isinstance(msg, RegisterEngine):
             try:
                 rank = registry.register_engine(msg, now_s)
@@ -374,6 +391,7 @@ class Coordinator:
             sender_id = msg.sender_id
             if registry.drop_frontend(sender_id):
                 log.info("frontend %s unregistered", sender_id)
+                self.reservations.drop_frontend(sender_id)
                 self._publish(FrontendGone(sender_id))
             else:
                 engine = registry.engine_by_id(sender_id)
@@ -385,6 +403,14 @@ class Coordinator:
                 self._publish(start)
         elif isinstance(msg, ScaleRequest):
             return self.scaler.request(sender, msg, self.pub_addr)
+        elif isinstance(msg, KvEvents):
+            engine = registry.engine_by_id(sender)
+            if (engine is not None and engine.state in (EngineState.READY, EngineState.DRAINING)
+                    and self.kv_index.on_events(engine.rank, sender, msg, now_s)):
+                return KvResync()
+        elif isinstance(msg, KvIndexRequest):
+            self._publish_kv_delta()  # the snapshot is as of the last delta: nothing may be in neither
+            return self.kv_index.snapshot()
         return None
 
     def _follow_waves(self) -> None:
@@ -400,20 +426,37 @@ class Coordinator:
         except zmq.Again:
             log.warning("broadcast queue full; dropped %s", type(msg).__name__)
 
+    def _publish_kv_delta(self) -> None:
+        delta = self.kv_index.take_delta()
+        if delta is not None:
+            self._publish(delta)
+
     def _load_state(self) -> tuple[int, int, bool]:
-        """What a LoadSnapshot carries, as a version: the registry's loads and the wave state."""
-        return self.registry.load_version, self.waves.wave, self.waves.running
+        """What a LoadSnapshot carries, as a version: the registry's loads, the reservations and the wave state."""
+        return self.registry.load_version, self.reservations.version, self.waves.wave, self.waves.running
+
+    def _load_snapshot(self) -> LoadSnapshot:
+        snapshot = self.registry.load_snapshot(self.waves.wave, self.waves.running, time.time())
+        reservations = self.reservations
+        snapshot.loads = [
+            msgspec.structs.replace(load, num_reserved=requests, num_reserved_tokens=tokens)
+            if (requests, tokens) != (0, 0) else load
+            for load in snapshot.loads
+            for requests, tokens in [reservations.reserved(load.rank)]
+        ]  # fmt: skip
+        return snapshot
 
     async def _publish_loop(self) -> None:
         last_topology = last_load = 0.0
         published_epoch = -1
-        published_load = (-1, -1, False)
+        published_load = (-1, -1, -1, False)
         while self.state is not CoordinatorState.STOPPED:
             now = time.monotonic()
             gone, dead = self.registry.expire(now)
             for frontend_id in gone:
                 log.warning("frontend %s silent for %.0f s: dropped", frontend_id, self.settings.frontend_timeout_s)
                 self._publish(FrontendGone(frontend_id))
+                self.reservations.drop_frontend(frontend_id)
             for rank in dead:
                 log.error("rank %d: DEAD (%s)", rank, self.registry.engines[rank].dead_reason)
                 if self.supervisor.is_watching(rank):  # silent or stuck, its process still there: kill, replace
@@ -421,13 +464,18 @@ class Coordinator:
             if self._is_reattaching:
                 await asyncio.sleep(0.02)
                 continue
+            if self.registry.epoch != published_epoch:
+                serving = self.registry.serving_engines()
+                self.kv_index.follow(serving)  # dead, replaced, removed: blocks gone
+                self.reservations.follow(serving)
+            self._publish_kv_delta()
             if self.registry.epoch != published_epoch or now - last_topology >= TOPOLOGY_REPUBLISH_S:
                 self._publish(self.registry.topology())
                 published_epoch = self.registry.epoch
                 last_topology = now
             changed = self._load_state() != published_load
             if (changed and now - last_load >= LOAD_MIN_INTERVAL_S) or now - last_load >= LOAD_HEARTBEAT_S:
-                self._publish(self.registry.load_snapshot(self.waves.wave, self.waves.running, time.time()))
+                self._publish(self._load_snapshot())
                 published_load = self._load_state()
                 last_load = now
             await asyncio.sleep(0.02)

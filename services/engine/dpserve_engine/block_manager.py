@@ -1,21 +1,24 @@
 """KV-cache blocks: allocation, reference counts and the prefix cache.
 
 A block holds the K/V of `block_size` consecutive tokens of one or more sequences. A full block is named by a
-chained hash (hash of the previous block's hash and its own token ids), so two requests with the same prefix
-share the same physical blocks. A freed block keeps its hash and waits in an LRU of cached blocks: a later request
+chained hash (`dpserve_shared.block_hash`: the previous block's hash and its own token ids, the same value in
+every process, which is what lets the frontends route by it), so two requests with the same prefix share the
+same physical blocks. A freed block keeps its hash and waits in an LRU of cached blocks: a later request
 with that prefix takes it back (a prefix hit); an allocation that finds no never-used block evicts the least
 recently freed one.
+
+KV events (`start_kv_events`, `take_kv_events`): the hashes that entered and left the cache since the last take,
+net (a hash stored then evicted within one step is in neither list unless it was there before), for the
+coordinator's index of every rank's cache (routing by prefix).
 """
 
 from __future__ import annotations
 
 import collections
 
+from dpserve_shared.block_hash import block_hash
+
 from dpserve_engine.sequence import Sequence
-
-
-def chain_hash(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
-    return hash((parent_hash, tuple(token_ids)))
 
 
 class BlockManager:
@@ -30,6 +33,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of those, found
+        self._kv_changes: dict[int, bool] | None = None  # hash -> held, since the last take (None: not tracked)
 
     # -- accounting ------------------------------------------------------------------------------------------
 
@@ -51,7 +55,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading full blocks. At least one token is always left to compute (its
@@ -80,6 +84,26 @@ class BlockManager:
             if self.block_hash[block_id] is None and seq.block_hashes[i] not in self.hash_to_block:
                 self.block_hash[block_id] = seq.block_hashes[i]
                 self.hash_to_block[seq.block_hashes[i]] = block_id
+                if self._kv_changes is not None:
+                    self._kv_changes[seq.block_hashes[i]] = True
+
+    # -- KV events ------------------------------------------------------------------------------------------
+
+    def start_kv_events(self) -> None:
+        if self._kv_changes is None:
+            self._kv_changes = {}
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        """(stored, removed) hashes since the last take."""
+        changes = self._kv_changes
+        if not changes:
+            return [], []
+        self._kv_changes = {}
+        return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash the cache holds (a KV-events snapshot)."""
+        return list(self.hash_to_block)
 
     # -- allocation ------------------------------------------------------------------------------------------
 
@@ -89,6 +113,8 @@ class BlockManager:
         else:
             block_id, _ = self.cached_free.popitem(last=False)  # evict the least recently freed cached block
             del self.hash_to_block[self.block_hash[block_id]]
+            if self._kv_changes is not None:
+                self._kv_changes[self.block_hash[block_id]] = False
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

@@ -3,7 +3,9 @@
 - control: a DEALER (identity = engine id) to the coordinator's ROUTER. `RegisterEngine` -> `RegisterAck` (the
   rank, the broadcast address, the topology); then `EngineStats` when the load changed (at most every 50 ms, and
   with the cumulative counters every 1 s), `StartWaveRequest` when a request finds the engines paused, and
-  `Unregister` on exit. The coordinator sends `Shutdown` here (scale-down).
+  `Unregister` on exit; `KvEvents` (what the prefix cache stored and evicted, numbered) after a step that changed
+  it, and a snapshot of it when the coordinator asks (`KvResync`). The coordinator sends `Shutdown` here
+  (scale-down).
 - broadcast: a SUB to the coordinator's PUB (`Topology`, `LoadSnapshot`, `StartWave`, `FrontendGone`, `Shutdown`).
 - heartbeats: `Heartbeat` every 1 s from a thread with a DEALER of its own, so that a long step (a big prefill
   on a starved CPU can take longer than the coordinator's 5 s engine timeout) never makes a live rank look dead.
@@ -29,7 +31,18 @@ import zmq
 
 from dpserve_shared.codec import from_coordinator_decoder
 from dpserve_shared.envelope import DeploymentGuard, frames
-from dpserve_shared.schema import EngineLoad, EngineStats, Heartbeat, RegisterAck, RegisterEngine, Shutdown, Unregister
+from dpserve_shared.schema import (
+    EngineLoad,
+    EngineStats,
+    FrontendCount,
+    Heartbeat,
+    KvEvents,
+    KvResync,
+    RegisterAck,
+    RegisterEngine,
+    Shutdown,
+    Unregister,
+)
 
 from dpserve_shared.timing import (  # noqa: F401 - the protocol's intervals (tests patch them here)
     COORDINATOR_SILENCE_S,
@@ -75,6 +88,7 @@ class CoordinatorLink:
         self._last_stats_s = 0.0
         self._last_counters: EngineLoad | None = None
         self.next_counters_s = 0.0  # monotonic: when report() next sends the counters
+        self._kv_seq = 0  # KvEvents sent by this process
         self._heartbeats_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
@@ -157,7 +171,7 @@ class CoordinatorLink:
         messages are dropped; a broadcast of this one's is a sign of life."""
         while self.control.poll(0):
             msg = self._recv_control()
-            if isinstance(msg, Shutdown):
+            if isinstance(msg, (Shutdown, KvResync)):
                 yield msg
             elif isinstance(msg, RegisterAck):
                 if msg.accepted:
@@ -186,24 +200,33 @@ class CoordinatorLink:
         """One message to the coordinator on the control socket, in this deployment's envelope."""
         self.control.send_multipart(frames(self.guard.deployment_id, msg), flags)
 
-    def report(self, load: EngineLoad, now: float) -> None:
-        """EngineStats when the routing-relevant load changed (at most every STATS_MIN_INTERVAL_S), and when
-        anything changed, counters included, every COUNTERS_INTERVAL_S."""
-        self._maybe_send_stats(load, now)
+    def report(self, load: EngineLoad, now: float, num_received: int = 0,
+               received: Callable[[], list[FrontendCount]] | None = None) -> None:  # fmt: skip
+        """EngineStats when the routing-relevant load or the requests received changed (at most every
+        STATS_MIN_INTERVAL_S), and when anything changed, counters included, every COUNTERS_INTERVAL_S.
+        `received()`: the requests received per frontend (EngineStats.received), `num_received` their total."""
+        self._maybe_send_stats(load, now, num_received, received)
         if now >= self.next_counters_s:
-            self._maybe_send_stats(load, now, force_counters=True)
+            self._maybe_send_stats(load, now, num_received, received, force_counters=True)
             self.next_counters_s = now + COUNTERS_INTERVAL_S
 
-    def _maybe_send_stats(self, load: EngineLoad, now: float, force_counters: bool = False) -> None:
-        key = _load_key(load)
+    def _maybe_send_stats(self, load: EngineLoad, now: float, num_received: int = 0,
+                          received: Callable[[], list[FrontendCount]] | None = None,
+                          force_counters: bool = False) -> None:  # fmt: skip
+        key = (*_load_key(load), num_received)
         changed = key != self._last_stats_key
         if force_counters and not changed:
             changed = self._last_counters is None or load != self._last_counters
         if changed and (force_counters or now - self._last_stats_s >= STATS_MIN_INTERVAL_S):
-            self.send(EngineStats(load))
+            self.send(EngineStats(load, received() if received is not None else []))
             self._last_stats_key = key
             self._last_stats_s = now
             self._last_counters = load
+
+    def send_kv_events(self, stored: list[int], removed: list[int], is_snapshot: bool = False) -> None:
+        """The prefix cache's changes (or, `is_snapshot`, every hash it holds), numbered for gap detection."""
+        self._kv_seq += 1
+        self.send(KvEvents(self._kv_seq, stored, removed, is_snapshot))
 
     # -- heartbeats -----------------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from dpserve_engine.model_runner import ModelRunner, StepResult
 from dpserve_engine.scheduler import ScheduledBatch, Scheduler
 from dpserve_engine.sequence import Sequence
 from dpserve_engine.settings import EngineConfig, export_inductor_cache_dir
+from dpserve_engine.step_rates import StepRates
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class EngineCore(EngineCoreBase):
             model = load_model(config)
         self.model_info = model_info
         self.kv_blocks_total = self._num_kv_blocks(config, model)
+        self.block_size = config.block_size
         self.block_manager = BlockManager(self.kv_blocks_total, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_blocks_total, config.block_size, model_info.eos_token_ids)
@@ -59,6 +61,7 @@ class EngineCore(EngineCoreBase):
         self.num_steps = 0
         self.num_prompt_tokens = 0  # computed (prefilled) prompt tokens, cumulative
         self.num_generation_tokens = 0
+        self.rates = StepRates()  # measured prefill / decode tokens per second (for routing)
 
     @classmethod
     def from_model(cls, config: EngineConfig, model: Transformer, model_info: ModelInfo) -> EngineCore:
@@ -126,6 +129,16 @@ class EngineCore(EngineCoreBase):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def start_kv_events(self) -> None:
+        if self.config.enable_prefix_caching:
+            self.block_manager.start_kv_events()
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        return self.block_manager.take_kv_events()
+
+    def kv_snapshot(self) -> list[int]:
+        return self.block_manager.cached_hashes()
+
     # -- step ------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -133,7 +146,10 @@ class EngineCore(EngineCoreBase):
         batch = self.scheduler.schedule()
         if not batch:
             return expired
+        started = time.perf_counter()
         result = self.runner.run(batch)
+        num_decode_tokens = batch.num_decodes
+        self.rates.record(sum(batch.num_tokens) - num_decode_tokens, num_decode_tokens, time.perf_counter() - started)
         return expired + self._postprocess(batch, result)
 
     def _expire_queued(self) -> list[RequestOutput]:
@@ -215,6 +231,8 @@ class EngineCore(EngineCoreBase):
             generation_tokens=self.num_generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             decode_compiled=self.runner.compiled is not None,
+            prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+            decode_tokens_per_s=self.rates.decode_tokens_per_s,
         )
 
 

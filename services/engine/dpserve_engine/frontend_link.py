@@ -19,7 +19,15 @@ import msgspec
 import zmq
 
 from dpserve_shared.codec import encode, engine_decoder
-from dpserve_shared.schema import AbortRequests, EngineHello, EngineLoad, EngineOutputs, EngineRequest, RequestOutput
+from dpserve_shared.schema import (
+    AbortRequests,
+    EngineHello,
+    EngineLoad,
+    EngineOutputs,
+    EngineRequest,
+    FrontendCount,
+    RequestOutput,
+)
 
 from dpserve_engine.settings import ServiceSettings
 
@@ -47,6 +55,9 @@ class FrontendLink:
         self._request_frontend: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
         self._known_frontends: set[bytes] = set()  # those that got their EngineHello
         self._pending: dict[bytes, list[RequestOutput]] = defaultdict(list)  # outputs not yet sent, per frontend
+        # requests and prompt tokens received per frontend, cumulative (the coordinator's reservations end here)
+        self._received: dict[bytes, list[int]] = {}
+        self.num_received = 0
 
     def bind(self) -> str:
         sock = self.frontend_socket
@@ -87,10 +98,26 @@ class FrontendLink:
             except msgspec.DecodeError as e:
                 log.warning("undecodable message from frontend %r: %s", identity, e)
                 continue
-            if isinstance(msg, (EngineRequest, AbortRequests)):
+            if isinstance(msg, EngineRequest):
+                self._count(identity, msg)
+                yield identity, msg
+            elif isinstance(msg, AbortRequests):
                 yield identity, msg
             else:
                 log.warning("unexpected %s from frontend %r", type(msg).__name__, identity)
+
+    def _count(self, identity: bytes, request: EngineRequest) -> None:
+        counts = self._received.get(identity)
+        if counts is None:
+            counts = self._received[identity] = [0, 0]
+        counts[0] += 1
+        counts[1] += len(request.prompt_token_ids)
+        self.num_received += 1
+
+    def received(self) -> list[FrontendCount]:
+        """Per frontend: the requests and prompt tokens received from it so far (EngineStats.received)."""
+        return [FrontendCount(identity.decode(errors="replace"), n, tokens)
+                for identity, (n, tokens) in self._received.items()]  # fmt: skip
 
     def track(self, request_id: str, identity: bytes) -> None:
         """Outputs of `request_id` go to `identity` until it finishes."""
@@ -108,6 +135,7 @@ class FrontendLink:
             del self._request_frontend[request_id]
         self._known_frontends.discard(identity)
         self._pending.pop(identity, None)
+        self._received.pop(identity, None)
         return mine
 
     # -- out ------------------------------------------------------------------------------------------------------

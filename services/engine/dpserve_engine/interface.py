@@ -15,6 +15,7 @@ class InvalidRequest(ValueError):
 class EngineCoreBase(abc.ABC):
     model_info: ModelInfo
     kv_blocks_total: int
+    block_size: int = 0  # tokens per KV block (0: no prefix cache to report)
 
     @abc.abstractmethod
     def add_request(self, request: EngineRequest) -> None:
@@ -35,6 +36,19 @@ class EngineCoreBase(abc.ABC):
     @abc.abstractmethod
     def load(self) -> EngineLoad:
         """Current load and cumulative counters (rank left 0; the service stamps it)."""
+
+    # KV events (the prefix cache's stored/evicted block hashes, for the coordinator's index); none by default.
+
+    def start_kv_events(self) -> None:
+        """Start recording KV events (the service does, once registered)."""
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        """(stored, removed) block hashes since the last take, net."""
+        return [], []
+
+    def kv_snapshot(self) -> list[int]:
+        """Every block hash the prefix cache holds now."""
+        return []
 
 
 def queue_timeout_output(request_id: str, waited_s: float, limit_s: float) -> RequestOutput:

@@ -4,6 +4,11 @@ A product feature, not a test double: it measures the frontend and coordinator a
 simulation run many ranks on one machine. Each step takes `step_time_s` and gives every running request one
 token; requests go from waiting to running up to `max_num_seqs`; with `max_queue_time_s` one that waited longer
 than that is ended as EngineCore ends it (`interface.queue_timeout_output`).
+
+Prefix cache (null_prefix_cache.py, with `enable_prefix_caching`): a request's prompt blocks are looked up when it
+is admitted, and the step that admits it takes `prefill_time_per_token_s` longer per prompt token not cached, so
+routing by prefix shows up in time to first token without a model. Its KV events and measured prefill/decode
+rates are reported as the real engine's are.
 """
 
 from __future__ import annotations
@@ -15,16 +20,19 @@ from collections.abc import Iterable
 from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
 
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest, queue_timeout_output
+from dpserve_engine.null_prefix_cache import NullPrefixCache
+from dpserve_engine.step_rates import StepRates
 
 
 class _NullRequest:
-    __slots__ = ("request", "num_generated", "is_first", "arrival_s")
+    __slots__ = ("request", "num_generated", "is_first", "arrival_s", "num_cached_tokens")
 
     def __init__(self, request: EngineRequest):
         self.request = request
         self.num_generated = 0
         self.is_first = True
         self.arrival_s = time.monotonic()
+        self.num_cached_tokens = 0
 
 
 class NullEngineCore(EngineCoreBase):
@@ -36,6 +44,9 @@ class NullEngineCore(EngineCoreBase):
         token_ids: list[int] | None = None,
         num_kv_blocks: int = 4096,
         max_queue_time_s: float | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        prefill_time_per_token_s: float = 0.0,
     ):
         self.model_info = model_info
         self._max_queue_time_s = max_queue_time_s
@@ -49,6 +60,10 @@ class NullEngineCore(EngineCoreBase):
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
+        self.block_size = block_size
+        self._prefix_cache = NullPrefixCache(num_kv_blocks, block_size) if enable_prefix_caching else None
+        self._prefill_time_per_token_s = prefill_time_per_token_s
+        self.rates = StepRates()
 
     def add_request(self, request: EngineRequest) -> None:
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
@@ -90,10 +105,15 @@ class NullEngineCore(EngineCoreBase):
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         expired = self._expire_queued() if self._max_queue_time_s is not None else []
+        num_prefill_tokens = 0
         while self._waiting and len(self._running) < self._max_num_seqs:
             request_id, entry = self._waiting.popitem(last=False)
             self._running[request_id] = entry
-            self._num_prompt_tokens += len(entry.request.prompt_token_ids)
+            prompt = entry.request.prompt_token_ids
+            if self._prefix_cache is not None:
+                entry.num_cached_tokens = self._prefix_cache.admit(prompt)
+            num_prefill_tokens += len(prompt) - entry.num_cached_tokens
+        self._num_prompt_tokens += num_prefill_tokens
         outputs = []
         finished = []
         for request_id, entry in self._running.items():
@@ -103,6 +123,7 @@ class NullEngineCore(EngineCoreBase):
             output = RequestOutput(request_id, [token_id])
             if entry.is_first:
                 output.num_prompt_tokens = len(entry.request.prompt_token_ids)
+                output.num_cached_tokens = entry.num_cached_tokens
                 entry.is_first = False
             if entry.num_generated >= entry.request.sampling.max_tokens:
                 output.finish_reason = FinishReason.LENGTH
@@ -112,10 +133,22 @@ class NullEngineCore(EngineCoreBase):
             del self._running[request_id]
         self._num_generation_tokens += len(outputs)
         self._num_steps += 1
-        remaining = self._step_time_s - (time.perf_counter() - started)
+        step_s = self._step_time_s + self._prefill_time_per_token_s * num_prefill_tokens
+        remaining = step_s - (time.perf_counter() - started)
         if remaining > 0:
             time.sleep(remaining)
+        self.rates.record(num_prefill_tokens, len(outputs), time.perf_counter() - started)
         return expired + outputs if expired else outputs
+
+    def start_kv_events(self) -> None:
+        if self._prefix_cache is not None:
+            self._prefix_cache.start_kv_events()
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        return self._prefix_cache.take_kv_events() if self._prefix_cache is not None else ([], [])
+
+    def kv_snapshot(self) -> list[int]:
+        return self._prefix_cache.cached_hashes() if self._prefix_cache is not None else []
 
     def load(self) -> EngineLoad:
         return EngineLoad(
@@ -128,4 +161,8 @@ class NullEngineCore(EngineCoreBase):
             step=self._num_steps,
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens,
+            prefix_queries=self._prefix_cache.num_queries if self._prefix_cache is not None else 0,
+            prefix_hits=self._prefix_cache.num_hits if self._prefix_cache is not None else 0,
+            prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+            decode_tokens_per_s=self.rates.decode_tokens_per_s,
         )

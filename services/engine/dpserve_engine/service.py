@@ -11,7 +11,8 @@ The busy loop (`EngineService.run`), one iteration:
      LoadSnapshot, Shutdown;
   3. step the core once if it has work;
   4. send one EngineOutputs per frontend that has outputs, each carrying the current load;
-  5. timers: EngineStats to the coordinator, parent-pid watch, registering again when the coordinator's broadcast
+  5. KvEvents to the coordinator if the step changed the prefix cache;
+  6. timers: EngineStats to the coordinator, parent-pid watch, registering again when the coordinator's broadcast
      has been silent (a restarted coordinator), exiting when the deployment is gone.
 
 Lifecycle (lifecycle.py): STARTING -> SERVING -> DRAINING -> STOPPED; the loop runs until STOPPED. The parent
@@ -42,6 +43,7 @@ from dpserve_shared.schema import (
     EngineRequest,
     FinishReason,
     FrontendGone,
+    KvResync,
     LoadSnapshot,
     RegisterAck,
     RegisterEngine,
@@ -109,9 +111,11 @@ class EngineService:
             kv_blocks_total=self.core.kv_blocks_total,
             node_ip=self.frontends.node_ip,
             pid=os.getpid(),
+            block_size=self.core.block_size,
         )
         ack = self.coordinator.register(registration, lambda: self.lifecycle.is_stopped or self._parent_died())
         self._on_registered(ack)
+        self.core.start_kv_events()
         self.lifecycle.serving()
 
     def _on_registered(self, ack: RegisterAck) -> None:
@@ -139,16 +143,26 @@ class EngineService:
                     self._take_coordinator_messages()
             if self.core.has_unfinished() and not self.lifecycle.is_stopped:
                 self._step()
+                self._report_kv_events()
             load = self._load()
             self.frontends.flush(load)
             now = time.monotonic()
-            self.coordinator.report(load, now)
+            self.coordinator.report(load, now, self.frontends.num_received, self.frontends.received)
             if now >= next_parent_check:
                 next_parent_check = now + PARENT_CHECK_INTERVAL_S
                 self._watch(now)
             self.lifecycle.end_drain_if_done(self.core.has_unfinished())
         self._abort_all("engine shutting down")
         self.frontends.flush(self._load())
+
+    def _report_kv_events(self) -> None:
+        stored, removed = self.core.take_kv_events()
+        if stored or removed:
+            self.coordinator.send_kv_events(stored, removed)
+
+    def _send_kv_snapshot(self) -> None:
+        self.core.take_kv_events()  # the snapshot holds them
+        self.coordinator.send_kv_events(self.core.kv_snapshot(), [], is_snapshot=True)
 
     def _watch(self, now: float) -> None:
         """The coordinator (silent: register again; its deployment gone: exit) and the parent process."""
@@ -234,6 +248,8 @@ class EngineService:
                           drain_timeout_s=msg.drain_timeout_s or None)
             elif isinstance(msg, RegisterAck):  # registered again
                 self._on_registered(msg)
+            elif isinstance(msg, KvResync):
+                self._send_kv_snapshot()
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 

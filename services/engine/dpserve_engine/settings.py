@@ -89,6 +89,7 @@ class EngineConfig:
     max_queue_time_s: float | None = None
     null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
     null_step_time_s: float = 0.0
+    null_prefill_time_per_token_s: float = 0.0  # the null engine's cost of one uncached prompt token
     cache_dir: str = dataclasses.field(default_factory=_cache_dir_from_env)  # default: $DPSERVE_CACHE_DIR
 
     def resolved_quantization(self, device_type: str) -> str | None:

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from dpserve_frontend.generation import Generation, SeqDelta, new_request_id
 from dpserve_frontend.logprobs import chat_logprobs
-from dpserve_frontend.parsing import pinned_rank, read_request
+from dpserve_frontend.parsing import pinned_rank, read_request, session_id
 from dpserve_frontend.protocol import ChatCompletionRequest, check_chat_request, message_dicts
 from dpserve_frontend.responses import ResponseView, respond, usage
 from dpserve_frontend.spec import PromptInput, build_spec
@@ -88,6 +88,7 @@ async def create_chat_completion(request: web.Request, state: FrontendState) -> 
     _, prompt_ids = tok.encode_chat(message_dicts(req.messages), req.add_generation_prompt,
                                     req.continue_final_message, req.add_special_tokens, req.chat_template_kwargs)
     spec = build_spec(req, [PromptInput(prompt_ids)], info.max_model_len, rank)
+    spec.session_id = session_id(request)
     generation = Generation(state.pool, tok, state.metrics, spec, new_request_id("chatcmpl"), arrival_s)
     chat = _ChatCompletion(req, generation, tok, info.name)
     try:

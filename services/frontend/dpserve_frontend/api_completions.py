@@ -12,7 +12,7 @@ from dpserve_shared.schema import TokenLogprob
 from dpserve_frontend.errors import BadRequest
 from dpserve_frontend.generation import Generation, SeqDelta, Sequence, new_request_id
 from dpserve_frontend.logprobs import completion_logprobs
-from dpserve_frontend.parsing import pinned_rank, read_request
+from dpserve_frontend.parsing import pinned_rank, read_request, session_id
 from dpserve_frontend.protocol import CompletionRequest, check_completion_request, check_token_id, prompt_inputs
 from dpserve_frontend.responses import ResponseView, respond, usage
 from dpserve_frontend.spec import PromptInput, build_spec
@@ -117,6 +117,7 @@ async def create_completion(request: web.Request, state: FrontendState) -> web.S
     info, tok = state.require_model(req.model)
     check_completion_request(req, tok.vocab_size)
     spec = build_spec(req, read_prompts(req, tok), info.max_model_len, rank)
+    spec.session_id = session_id(request)
     generation = Generation(state.pool, tok, state.metrics, spec, new_request_id("cmpl"), arrival_s)
     completion = _Completion(req, generation, tok, info.name)
     try:

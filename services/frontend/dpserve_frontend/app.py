@@ -144,7 +144,8 @@ async def _coordinator_ctx(app: web.Application) -> AsyncIterator[None]:
     if settings.coordinator_addr is None:
         yield
         return
-    client = CoordinatorClient(settings, state.apply_topology, state.apply_snapshot, stats=state.frontend_stats)
+    client = CoordinatorClient(settings, state.apply_topology, state.apply_snapshot, stats=state.frontend_stats,
+                               prefix_index=state.pool.prefix_index, routed=state.pool)  # fmt: skip
     state.pool.on_start_wave = client.request_start_wave
     state.pool.is_coordinator_away = client.is_away
     app[COORDINATOR_KEY] = client

@@ -4,7 +4,11 @@
   `RegisterAck` comes back (backoff 0.5 s -> 5 s, progress logged); the ack carries the broadcast address and the
   current `Topology`. Then a `Heartbeat` every second, `StartWaveRequest` when the engines are paused, and
   `Unregister` on exit.
-- broadcast: a SUB to the coordinator's PUB, following `Topology` and `LoadSnapshot`.
+- broadcast: a SUB to the coordinator's PUB, following `Topology`, `LoadSnapshot` and `KvDelta` (the prefix-cache
+  index, mirrored in prefix_index.py; out of sync it sends `KvIndexRequest` and the `KvIndexSnapshot` comes back
+  on the control socket).
+- routing: `RoutedRequests` (what this API server routed to each rank, cumulative) when it changed, at most every
+  ROUTED_INTERVAL_S, so the coordinator reserves it on the next LoadSnapshot for every API server to see.
 
 If the coordinator goes silent (no broadcast for `coordinator_silence_s`), the frontend keeps serving with the
 last topology and registers again, so a restarted coordinator (new PUB port) is picked up without a restart.
@@ -27,20 +31,26 @@ from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     FrontendStats,
     Heartbeat,
+    KvDelta,
+    KvIndexRequest,
+    KvIndexSnapshot,
     LoadSnapshot,
     RegisterAck,
     RegisterFrontend,
+    RoutedRequests,
     StartWaveRequest,
     Topology,
     Unregister,
 )
 
+from dpserve_frontend.prefix_index import PrefixIndex
 from dpserve_frontend.settings import FrontendSettings
 
 log = logging.getLogger(__name__)
 
 _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 5.0
+ROUTED_INTERVAL_S = 0.02
 
 
 class RegistrationRefused(Exception):
@@ -55,12 +65,16 @@ class CoordinatorClient:
         on_snapshot: Callable[[LoadSnapshot], None],
         context: zmq.asyncio.Context | None = None,
         stats: Callable[[], FrontendStats] | None = None,
+        prefix_index: PrefixIndex | None = None,
+        routed=None,
     ):
         assert settings.coordinator_addr is not None
         self._settings = settings
         self._on_topology = on_topology
         self._on_snapshot = on_snapshot
         self._stats = stats  # this frontend's figures, sent on every heartbeat
+        self.prefix_index = prefix_index  # follows KvDelta / KvIndexSnapshot when given
+        self._routed = routed  # the EnginePool: routed_version, routed_counts() (RoutedRequests)
         self._context = context or zmq.asyncio.Context.instance()
         self._decoder = from_coordinator_decoder()
         self.guard = DeploymentGuard(settings.deployment_id, log, "coordinator link")
@@ -130,6 +144,9 @@ class CoordinatorClient:
             loop.create_task(self._supervised(self._broadcast_loop), name="coordinator-broadcast"),
             loop.create_task(self._supervised(self._heartbeat_loop), name="coordinator-heartbeat"),
         ]
+        if self._routed is not None:
+            self._tasks.append(loop.create_task(self._supervised(self._routed_loop), name="coordinator-routed"))
+        self._resync_prefix_index()
 
     @staticmethod
     async def _supervised(loop_fn) -> None:
@@ -171,12 +188,25 @@ class CoordinatorClient:
             self._on_snapshot(message)
         elif isinstance(message, Topology):
             self._on_topology(message)
+        elif isinstance(message, KvDelta):
+            if self.prefix_index is not None:
+                self.prefix_index.on_delta(message)
+                self._resync_prefix_index()
+        elif isinstance(message, KvIndexSnapshot):
+            if self.prefix_index is not None:
+                self.prefix_index.on_snapshot(message)
+                self._resync_prefix_index()  # deltas kept meanwhile may have had a gap
         elif isinstance(message, RegisterAck):
             if message.accepted:
                 self._handle_ack(message)
             else:
                 log.error("the coordinator refused this frontend: %s", message.error)
         # StartWave, Shutdown and FrontendGone are meant for engines.
+
+    def _resync_prefix_index(self) -> None:
+        """Ask for the index's snapshot when the mirror is out of sync (at most every second)."""
+        if self.prefix_index is not None and self.prefix_index.wants_snapshot(time.monotonic()):
+            self._control.send_multipart(frames(self.guard.deployment_id, KvIndexRequest(self._settings.frontend_id)))
 
     async def _control_loop(self) -> None:
         while True:
@@ -215,6 +245,16 @@ class CoordinatorClient:
             if snapshots:
                 self._on_snapshot(snapshots[-1])
 
+    async def _routed_loop(self) -> None:
+        sent_version = 0
+        while True:
+            await asyncio.sleep(ROUTED_INTERVAL_S)
+            version = self._routed.routed_version
+            if version != sent_version:
+                sent_version = version
+                message = RoutedRequests(self._settings.frontend_id, self._routed.routed_counts())
+                await self._control.send_multipart(frames(self.guard.deployment_id, message))
+
     async def _heartbeat_loop(self) -> None:
         interval_s = self._settings.heartbeat_interval_s
         while True:
@@ -223,6 +263,7 @@ class CoordinatorClient:
             await self._control.send_multipart(
                 frames(self.guard.deployment_id, Heartbeat(self._settings.frontend_id, time.time(), stats))
             )
+            self._resync_prefix_index()  # just started, or an answer lost
             silent_s = time.monotonic() - self._last_broadcast_s
             if silent_s > self._settings.coordinator_silence_s:
                 log.warning("no broadcast from the coordinator for %.0f s; registering again", silent_s)

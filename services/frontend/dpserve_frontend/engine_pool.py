@@ -35,6 +35,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from dpserve_shared.block_hash import block_hashes
 from dpserve_shared.codec import encode, frontend_decoder
 from dpserve_shared.schema import (
     AbortRequests,
@@ -45,6 +46,7 @@ from dpserve_shared.schema import (
     EngineState,
     FinishReason,
     LoadSnapshot,
+    RankCount,
     RequestOutput,
     StartWaveRequest,
     Topology,
@@ -53,7 +55,9 @@ from dpserve_shared.waves import FrontendWaves
 from dpserve_shared.zmq_security import ZmqSecurity
 
 from dpserve_frontend.engine_liveness import enable_heartbeats, watch_connection
-from dpserve_frontend.router import AdmissionLimits, NoEngineAvailable, Router
+from dpserve_frontend.prefix_index import PrefixIndex
+from dpserve_frontend.router import AdmissionLimits, NoEngineAvailable, Router, RoutingPolicy
+from dpserve_frontend.routing_cost import PromptMatch
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +112,16 @@ class EnginePool:
         migration_limit: int = 3,
         admission: AdmissionLimits | None = None,
         zmq_security: ZmqSecurity | None = None,
+        routing: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
     ):
         self.frontend_id = frontend_id
         self._zmq_security = zmq_security or ZmqSecurity.from_environment()  # CURVE to the engines' sockets
-        self._router = Router()
+        self._router = Router(routing)
+        self.prefix_index = PrefixIndex()  # every rank's prefix cache, as the coordinator publishes it
+        self.block_size = 0  # the engines' KV block size (from the topology; 0: unknown, no prefix routing)
+        self._engine_ids: dict[int, str] = {}  # rank -> its engine's id (topology)
+        self._routed: dict[int, list] = {}  # rank -> [engine id, requests, prompt tokens] routed to that engine
+        self.routed_version = 0  # grows with every send (RoutedRequests goes to the coordinator when it moved)
         self.admission = admission or AdmissionLimits()
         self._context = context or zmq.asyncio.Context.instance()
         self._engines: dict[int, _EngineConn] = {}
@@ -142,6 +152,10 @@ class EnginePool:
         self.topology = topology
         self.expected_size = topology.data_parallel_size or len(topology.engines)
         listed = {info.rank: info for info in topology.engines}
+        self.block_size = next((info.block_size for info in topology.engines if info.block_size), self.block_size)
+        self._engine_ids = {info.rank: info.engine_id for info in topology.engines}
+        for rank in [r for r in self._routed if r not in listed]:
+            del self._routed[rank]
         gone = []
         for rank, conn in self._engines.items():
             info = listed.get(rank)
@@ -248,15 +262,20 @@ class EnginePool:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
-    def submit(self, requests: list[EngineRequest], queue: OutputQueue, pinned_rank: int | None = None) -> int:
-        """Route a request's sequences to one rank (the router's pick, or `pinned_rank`) and send them there;
+    def submit(self, requests: list[EngineRequest], queue: OutputQueue, pinned_rank: int | None = None,
+               session_id: str | None = None) -> int:  # fmt: skip
+        """Route a request's sequences to one rank (the router's pick, or `pinned_rank`; `session_id`: the
+        conversation's rank while it has room, router.py) and send them there;
         their outputs arrive on `queue` as (seq_index, output). Returns the rank. Raises `NoEngineAvailable` when
         no rank serves, `RankNotServing` for a pin that does not and `QueuesFull` when admission control refuses
         it (then nothing is sent)."""
         num_tokens = sum(len(request.prompt_token_ids) for request in requests)
-        rank = self._router.pick(pinned_rank, num_seqs=len(requests), num_tokens=num_tokens, limits=self.admission)
+        prompt = self._match_prompt(requests[0].prompt_token_ids) if pinned_rank is None else None
+        rank = self._router.pick(pinned_rank, num_seqs=len(requests), num_tokens=num_tokens, limits=self.admission,
+                                 prompt=prompt, session_id=session_id)  # fmt: skip
         if rank not in self._engines:
             raise NoEngineAvailable(f"engine rank {rank} is not connected")
+        self._count_routed(rank, len(requests), num_tokens)
         wave, wake_up = self.waves.stamp(rank)
         for seq_index, request in enumerate(requests):
             request.frontend_id = self.frontend_id
@@ -268,6 +287,32 @@ class EnginePool:
             self.on_start_wave(wake_up)
         return rank
 
+    def _match_prompt(self, token_ids: list[int]) -> PromptMatch | None:
+        """Cache-aware routing: the prompt hashed once (its full blocks but the last token's) and matched against
+        every rank's prefix cache at once. None for the other policies."""
+        if self._router.policy is not RoutingPolicy.CACHE_AWARE:
+            return None
+        block_size = self.block_size
+        if block_size <= 0:
+            return PromptMatch(len(token_ids), tie_key=len(token_ids))
+        hashes = block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
+        if not hashes:
+            return PromptMatch(len(token_ids), tie_key=len(token_ids))
+        return PromptMatch(len(token_ids), self.prefix_index.match(hashes), block_size, tie_key=hashes[0])
+
+    def _count_routed(self, rank: int, num_requests: int, num_tokens: int) -> None:
+        engine_id = self._engine_ids.get(rank, "")
+        counts = self._routed.get(rank)
+        if counts is None or counts[0] != engine_id:  # a new engine on the rank: counted from 0
+            counts = self._routed[rank] = [engine_id, 0, 0]
+        counts[1] += num_requests
+        counts[2] += num_tokens
+        self.routed_version += 1
+
+    def routed_counts(self) -> list[RankCount]:
+        """What this API server has routed to each rank's engine (RoutedRequests.sent; cumulative)."""
+        return [RankCount(rank, engine_id, n, tokens) for rank, (engine_id, n, tokens) in self._routed.items()]
+
     def _may_move(self, entry: _InFlight) -> bool:
         return entry.migrations < (self.migration_limit if entry.token_ids else max(1, self.migration_limit))
 
@@ -275,9 +320,11 @@ class EnginePool:
         """Move a sequence whose rank was dropped (or gave it back) to the router's pick (as it was stamped: same
         wave): itself if it has no token yet, else its continuation. False when no (other) rank serves."""
         try:
-            rank = self._router.pick(exclude=exclude)
+            num_tokens = len(entry.request.prompt_token_ids) + len(entry.token_ids)
+            rank = self._router.pick(exclude=exclude, num_tokens=num_tokens)
         except NoEngineAvailable:
             return False
+        self._count_routed(rank, 1, num_tokens)
         entry.rank = rank
         entry.migrations += 1
         self._send(rank, continuation(entry.request, entry.token_ids) if entry.token_ids else entry.request)

@@ -128,7 +128,7 @@ class Generation:
             prompt = self.spec.prompts[seq.prompt_index]
             requests.append(EngineRequest(seq.request_id, prompt.token_ids, sampling, arrival_time=arrival_time))
         try:
-            self.rank = self._pool.submit(requests, self._queue, self.spec.pinned_rank)
+            self.rank = self._pool.submit(requests, self._queue, self.spec.pinned_rank, self.spec.session_id)
         except (NoEngineAvailable, RankNotServing) as e:
             self._metrics.requests_failed.labels("no_rank").inc()
             raise ServiceUnavailable(str(e)) from None

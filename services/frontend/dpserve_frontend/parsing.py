@@ -143,3 +143,18 @@ def _bad_request(e: msgspec.ValidationError) -> BadRequest:
         return BadRequest(f"invalid request: {text}")
     detail = _PATH.sub("", text).rstrip(" -")
     return BadRequest(f"Invalid value for '{param}': {detail}", param=param)
+
+
+SESSION_HEADER = "X-Session-Id"
+_MAX_SESSION_ID_LEN = 256
+
+
+def session_id(request: web.Request) -> str | None:
+    """The conversation the opt-in `X-Session-Id` header names (its requests stay on one rank until it
+    saturates: router.py); None without one."""
+    value = request.headers.get(SESSION_HEADER, "").strip()
+    if not value:
+        return None
+    if len(value) > _MAX_SESSION_ID_LEN:
+        raise BadRequest(f"{SESSION_HEADER} is longer than {_MAX_SESSION_ID_LEN} characters", param=SESSION_HEADER)
+    return value

@@ -1,10 +1,18 @@
 """Which engine rank gets the next request. Pure: no sockets, no clock.
 
-Scheduling rule (vLLM's data-parallel load balancing, with its known fixes):
+Three policies (`RoutingPolicy`, --routing): least-loaded (the default, below), cache-aware (the lowest
+estimated time to first token, routing_cost.py: the prompt's tokens not in the rank's prefix cache plus the
+prefill already queued there, over the rank's measured prefill rate, plus its decode and KV pressure; ties start
+at the prompt's first block hash, so every API server given the same view picks the same rank) and round-robin
+(the next candidate with room).
 
-    cost(rank) = 4 * (waiting + sent) + running
+Least-loaded (vLLM's data-parallel load balancing, with its known fixes):
 
-`waiting` and `running` come from the latest `LoadSnapshot` the coordinator published; `sent` counts the
+    cost(rank) = 4 * (waiting + reserved + sent) + running
+
+`waiting` and `running` come from the latest `LoadSnapshot` the coordinator published; `reserved` (also from the
+snapshot) is what every API server routed to the rank that its engine had not reported receiving yet
+(coordinator reservations.py), so API servers routing a burst at once see each other's picks; `sent` counts the
 requests this frontend routed to the rank since that snapshot, so a burst that arrives between two snapshots
 (which come at most every 100 ms) is spread instead of all landing on the rank that looked idle. A request's
 `sent` weight is its number of sequences (`n` children and every prompt of a batch go to one rank). A new
@@ -14,23 +22,43 @@ that rotates after every pick, so equal ranks take turns instead of rank 0 takin
 Only ranks the topology lists as READY are candidates. A rank can be pinned (HTTP header
 `X-data-parallel-rank`); pinning a rank that is not serving is the caller's error.
 
+Sessions (opt-in HTTP header `X-Session-Id`, any policy): a session's requests go to the rank its last request
+went to while that rank serves, has room (admission control) and is not saturated: its queue (waiting + reserved
++ sent) at most SESSION_SLACK requests longer than the shortest candidate's, its KV use under
+SESSION_MAX_KV_USE. Otherwise the policy picks and the session follows. This API server remembers the newest
+MAX_SESSIONS sessions (the cache-aware policy finds a conversation's prefix without it, in every API server).
+
 Admission control (`AdmissionLimits`: --max-num-queued-requests, vLLM's --max-num-queued-reqs, and
---max-num-queued-tokens, per rank): a new request may only go to a rank whose queue, as this frontend sees it (waiting requests and their prompt tokens
-from the snapshot, plus what this frontend sent since), has room for it; the lowest cost among those wins. When
-no candidate has room (a pinned request: its rank), `pick` raises `QueuesFull` and nothing is sent. A rank with
-an empty queue always takes the request, so one larger than a cap is not refused forever. Each API server counts
-only its own sends, so with several the caps are approximate, as vLLM's are across its API servers. Re-sends of
+--max-num-queued-tokens, per rank): a new request may only go to a rank whose queue, as this frontend sees it
+(waiting and reserved requests and their prompt tokens from the snapshot, plus what this frontend sent since),
+has room for it; the lowest cost among those wins. When no candidate has room (a pinned request: its rank),
+`pick` raises `QueuesFull` and nothing is sent. A rank with an empty queue always takes the request, so one
+larger than a cap is not refused forever. Another API server's sends since the last snapshot are not seen, so
+with several the caps are approximate (less so than vLLM's: the reservations close the gap within a snapshot). Re-sends of
 requests already accepted (their rank died) are never refused.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
 from collections.abc import Iterable
 
 from dpserve_shared.schema import EngineLoad
 
+from dpserve_frontend.routing_cost import PromptMatch, RankState, estimated_ttft_s
+
 WAITING_WEIGHT = 4
+SESSION_SLACK = 8
+SESSION_MAX_KV_USE = 0.95
+MAX_SESSIONS = 65536
+
+
+class RoutingPolicy(str, enum.Enum):
+    LEAST_LOADED = "least-loaded"
+    CACHE_AWARE = "cache-aware"
+    ROUND_ROBIN = "round-robin"
 
 
 class NoEngineAvailable(Exception):
@@ -89,24 +117,36 @@ class _RankLoad:
     num_sent: int = 0  # sequences this frontend sent since the snapshot
     num_waiting_tokens: int = 0  # prompt tokens still to prefill of the waiting ones (snapshot)
     num_sent_tokens: int = 0  # prompt tokens of this frontend's sends since the snapshot
+    num_reserved: int = 0  # every API server's picks its engine had not reported (snapshot)
+    num_reserved_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefill_tokens_per_s: float = 0.0  # the rank's measured rates (0: none yet)
+    decode_tokens_per_s: float = 0.0
 
     @property
     def num_queued(self) -> int:
-        return self.num_waiting + self.num_sent
+        return self.num_waiting + self.num_reserved + self.num_sent
 
     @property
     def num_queued_tokens(self) -> int:
-        return self.num_waiting_tokens + self.num_sent_tokens
+        return self.num_waiting_tokens + self.num_reserved_tokens + self.num_sent_tokens
 
     def cost(self) -> int:
-        return WAITING_WEIGHT * (self.num_waiting + self.num_sent) + self.num_running
+        return WAITING_WEIGHT * self.num_queued + self.num_running
+
+    def state(self) -> RankState:
+        return RankState(self.num_queued_tokens, self.num_running, self.kv_blocks_used, self.kv_blocks_total,
+                         self.prefill_tokens_per_s, self.decode_tokens_per_s)  # fmt: skip
 
 
 class Router:
-    def __init__(self) -> None:
+    def __init__(self, policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED) -> None:
+        self.policy = policy
         self._loads: dict[int, _RankLoad] = {}
         self._serving: list[int] = []  # sorted
         self._next_start = 0
+        self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # session id -> rank, LRU
 
     @property
     def serving_ranks(self) -> list[int]:
@@ -129,6 +169,12 @@ class Router:
                 entry.num_waiting = load.num_waiting
                 entry.num_running = load.num_running
                 entry.num_waiting_tokens = load.num_waiting_tokens
+                entry.num_reserved = load.num_reserved
+                entry.num_reserved_tokens = load.num_reserved_tokens
+                entry.kv_blocks_used = load.kv_blocks_used
+                entry.kv_blocks_total = load.kv_blocks_total
+                entry.prefill_tokens_per_s = load.prefill_tokens_per_s
+                entry.decode_tokens_per_s = load.decode_tokens_per_s
         for entry in self._loads.values():
             entry.num_sent = 0
             entry.num_sent_tokens = 0
@@ -140,9 +186,13 @@ class Router:
         exclude: int | None = None,
         num_tokens: int = 0,
         limits: AdmissionLimits | None = None,
+        prompt: PromptMatch | None = None,
+        session_id: str | None = None,
     ) -> int:
         """Choose a rank (other than `exclude`: one that just gave a request back) whose queue has room under
         `limits` (None: no admission control), and count `num_seqs` sends of `num_tokens` prompt tokens to it.
+        `prompt`: the request's prompt matched against every rank's prefix cache (cache-aware routing);
+        `session_id`: its conversation (X-Session-Id), kept on its rank until that saturates.
         Raises `QueuesFull` when no candidate has room."""
         if limits is not None and not limits.is_enabled:
             limits = None
@@ -154,20 +204,26 @@ class Router:
             if reason is not None:
                 raise QueuesFull(reason, f"data-parallel rank {rank}'s queue is full ({limits.describe(reason)}); retry later")
         else:
-            rank = self._lowest_cost(exclude, limits, num_seqs, num_tokens)
+            rank = self._session_rank(session_id, exclude, limits, num_seqs, num_tokens)
+            if rank is None:
+                rank = self._lowest_cost(exclude, limits, num_seqs, num_tokens, prompt)
+            if session_id is not None:
+                self._remember(session_id, rank)
         load = self._loads[rank]
         load.num_sent += num_seqs
-        load.num_sent_tokens += num_tokens
+        # the prefill it queues: with a prompt match (cache-aware), what the rank's cache does not hold
+        load.num_sent_tokens += num_tokens - (prompt.num_cached_tokens(rank) if prompt is not None else 0)
         return rank
 
     def _lowest_cost(
         self, exclude: int | None = None, limits: AdmissionLimits | None = None, num_seqs: int = 1,
-        num_tokens: int = 0,
+        num_tokens: int = 0, prompt: PromptMatch | None = None,
     ) -> int:  # fmt: skip
         ranks = self._serving if exclude is None else [r for r in self._serving if r != exclude]
         if not ranks:
             raise NoEngineAvailable("no engine rank is serving")
-        start = self._next_start % len(ranks)
+        is_keyed = self.policy is RoutingPolicy.CACHE_AWARE and prompt is not None
+        start = (prompt.tie_key if is_keyed else self._next_start) % len(ranks)
         best_rank, best_cost = -1, None
         refusals = set()
         for i in range(len(ranks)):
@@ -178,7 +234,7 @@ class Router:
                 if reason is not None:
                     refusals.add(reason)
                     continue
-            cost = load.cost()
+            cost = self._cost(rank, load, num_tokens, prompt)
             if best_cost is None or cost < best_cost:
                 best_rank, best_cost = rank, cost
         if best_cost is None:
@@ -188,5 +244,36 @@ class Router:
         self._next_start = start + 1
         return best_rank
 
+    def _session_rank(self, session_id: str | None, exclude: int | None, limits: AdmissionLimits | None,
+                      num_seqs: int, num_tokens: int) -> int | None:  # fmt: skip
+        """The session's rank if it may take this request (see the module docstring), else None."""
+        rank = self._sessions.get(session_id) if session_id is not None else None
+        load = self._loads.get(rank) if rank is not None else None
+        if load is None or rank == exclude:
+            return None
+        if limits is not None and limits.refusal(load, num_seqs, num_tokens) is not None:
+            return None
+        shortest = min(self._loads[r].num_queued for r in self._serving)
+        is_kv_full = load.kv_blocks_total > 0 and load.kv_blocks_used >= SESSION_MAX_KV_USE * load.kv_blocks_total
+        if load.num_queued > shortest + SESSION_SLACK or is_kv_full:
+            return None
+        return rank
+
+    def _remember(self, session_id: str, rank: int) -> None:
+        self._sessions[session_id] = rank
+        self._sessions.move_to_end(session_id)
+        if len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+
+    def _cost(self, rank: int, load: _RankLoad, num_tokens: int, prompt: PromptMatch | None) -> float:
+        if self.policy is RoutingPolicy.LEAST_LOADED:
+            return load.cost()
+        if self.policy is RoutingPolicy.ROUND_ROBIN:
+            return 0  # every candidate ties: the rotation picks
+        if prompt is None:
+            return estimated_ttft_s(load.state(), num_tokens)
+        return estimated_ttft_s(load.state(), prompt.num_tokens, prompt.num_cached_tokens(rank), prompt.block_size)
+
     def cost(self, rank: int) -> int:
+        """The least-loaded cost (for inspection)."""
         return self._loads[rank].cost()

@@ -13,6 +13,8 @@ from dpserve_shared.status import API_KEY_ENV
 from dpserve_shared.timing import COORDINATOR_SILENCE_S, HEARTBEAT_INTERVAL_S
 from dpserve_shared.zmq_security import ClusterKeyError, ZmqSecurity, add_security_flags, security_from_args
 
+from dpserve_frontend.router import RoutingPolicy
+
 ENV_PREFIX = "DPSERVE_"
 
 
@@ -44,6 +46,7 @@ class FrontendSettings:
     request_body_timeout_s: float = 60.0
     # CURVE on its sockets to the coordinator and the engines, as clients (zmq_security.py)
     zmq_security: ZmqSecurity = dataclasses.field(default_factory=ZmqSecurity.from_environment, repr=False)
+    routing: RoutingPolicy = RoutingPolicy.LEAST_LOADED  # --routing (router.py)
 
 
 def add_migration_flag(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +55,17 @@ def add_migration_flag(parser: argparse.ArgumentParser) -> None:
                         help="how many times a request moves to another rank when its rank dies: a started stream "
                              "goes on as its continuation (prompt + the tokens so far), with no gap or repeat; 0: a "
                              "started stream ends with an error event instead (default: %(default)s)")
+
+
+def add_routing_flag(parser: argparse.ArgumentParser) -> None:
+    """--routing, for the frontend and for `dpserve serve` (which passes it on)."""
+    parser.add_argument("--routing", choices=[p.value for p in RoutingPolicy],
+                        default=RoutingPolicy.LEAST_LOADED.value,
+                        help="how a request's rank is chosen: least-loaded (fewest waiting and running requests), "
+                             "cache-aware (the lowest estimated time to first token: the prompt tokens not in the "
+                             "rank's prefix cache plus its queued prefill, over its measured prefill rate, plus its "
+                             "decode and KV pressure; every API server sees the same cache view), or round-robin "
+                             "(default: %(default)s)")
 
 
 def add_admission_flags(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "name them once in the log, as vLLM does)")
     add_migration_flag(parser)
     add_admission_flags(parser)
+    add_routing_flag(parser)
     add_shutdown_timeout_flag(parser, "--drain-timeout")
     add_http_limit_flags(parser)
     parser.add_argument("--chat-template", default=None, metavar="FILE",
@@ -220,6 +235,7 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         shutdown_timeout_s=args.shutdown_timeout,
         max_num_queued_requests=args.max_num_queued_requests,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        routing=RoutingPolicy(args.routing),
         stats_interval_s=args.stats_interval,
         ready_file=args.ready_file,
         strict_request_fields=args.strict_request_fields,

@@ -26,6 +26,7 @@ class GenerationSpec:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     pinned_rank: int | None = None
+    session_id: str | None = None  # X-Session-Id: keep the conversation on one rank (router.py)
 
 
 def build_spec(req: SamplingFields, prompts: list[PromptInput], max_model_len: int,

@@ -43,6 +43,7 @@ class FrontendState:
             migration_limit=settings.migration_limit,
             admission=AdmissionLimits(settings.max_num_queued_requests, settings.max_num_queued_tokens),
             zmq_security=settings.zmq_security,
+            routing=settings.routing,
         )
         self.tokenizer: ModelTokenizer | None = None
         self.model_info: ModelInfo | None = None

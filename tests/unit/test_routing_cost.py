@@ -1,0 +1,157 @@
+"""Cache-aware routing: the estimated time to first token (routing_cost.py) and the router's use of it, the
+round-robin policy, and the same choice by two routers given the same view."""
+
+import pytest
+from dpserve_shared.block_hash import block_hashes
+from dpserve_shared.schema import EngineLoad
+
+from dpserve_frontend.prefix_index import PrefixIndex
+from dpserve_frontend.router import AdmissionLimits, QueuesFull, Router, RoutingPolicy
+from dpserve_frontend.routing_cost import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    KV_PRESSURE_S,
+    PromptMatch,
+    RankState,
+    estimated_ttft_s,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+BS = 16
+
+
+def test_uncached_and_queued_tokens_over_the_prefill_rate():
+    state = RankState(num_queued_tokens=500, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0)
+    assert estimated_ttft_s(state, 1000, num_cached_tokens=500) == pytest.approx((500 + 500) / 1000)
+    busy = RankState(num_queued_tokens=0, num_running=50, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0)
+    assert estimated_ttft_s(busy, 1000) == pytest.approx(1.0 + 0.5)  # decode pressure: one step of 50 rows
+
+
+def test_unmeasured_rates_use_the_defaults():
+    assert estimated_ttft_s(RankState(), 2000) == pytest.approx(2000 / DEFAULT_PREFILL_TOKENS_PER_S)
+
+
+def test_kv_pressure_grows_past_the_soft_limit():
+    calm = RankState(kv_blocks_used=10, kv_blocks_total=100)
+    full = RankState(kv_blocks_used=100, kv_blocks_total=100)
+    assert estimated_ttft_s(calm, 16, block_size=BS) == pytest.approx(16 / DEFAULT_PREFILL_TOKENS_PER_S)
+    assert estimated_ttft_s(full, 16, block_size=BS) == pytest.approx(16 / DEFAULT_PREFILL_TOKENS_PER_S + KV_PRESSURE_S)
+
+
+def test_cached_tokens_leave_one_token_to_compute():
+    match = PromptMatch(num_tokens=32, cached_blocks={0: 2}, block_size=BS)
+    assert match.num_cached_tokens(0) == 31 and match.num_cached_tokens(1) == 0
+
+
+# -- the router ----------------------------------------------------------------------------------------------------
+
+
+def router_with(policy, loads, ranks=(0, 1, 2)):
+    router = Router(policy)
+    router.set_serving(ranks)
+    router.update_snapshot(loads)
+    return router
+
+
+def loads(**per_rank):
+    """rank_N=(waiting_tokens, running) with measured rates 1000 prefill / 100 decode tokens per second."""
+    return [EngineLoad(rank=int(name.split("_")[1]), num_waiting=1 if wt else 0, num_waiting_tokens=wt,
+                       num_running=run, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0)
+            for name, (wt, run) in per_rank.items()]  # fmt: skip
+
+
+def match_on(index: PrefixIndex, prompt: list[int]) -> PromptMatch:
+    hashes = block_hashes(prompt, BS, max_blocks=(len(prompt) - 1) // BS)
+    return PromptMatch(len(prompt), index.match(hashes), BS, tie_key=hashes[0])
+
+
+def test_the_rank_holding_the_prefix_wins_while_its_queue_is_short():
+    prompt = list(range(1000))
+    index = PrefixIndex()
+    index.blocks.store(1, block_hashes(prompt, BS))
+    router = router_with(RoutingPolicy.CACHE_AWARE, loads(rank_0=(0, 0), rank_1=(200, 0), rank_2=(0, 0)))
+    assert router.pick(num_tokens=1000, prompt=match_on(index, prompt)) == 1  # 0.2 s queue vs 1 s of prefill
+
+
+def test_a_long_queue_outweighs_the_cache_hit():
+    prompt = list(range(1000))
+    index = PrefixIndex()
+    index.blocks.store(1, block_hashes(prompt, BS))
+    router = router_with(RoutingPolicy.CACHE_AWARE, loads(rank_0=(0, 0), rank_1=(5000, 0), rank_2=(0, 0)))
+    assert router.pick(num_tokens=1000, prompt=match_on(index, prompt)) in (0, 2)
+
+
+def test_own_sends_count_their_uncached_tokens_as_queued():
+    prompt = list(range(1000))
+    index = PrefixIndex()
+    router = router_with(RoutingPolicy.CACHE_AWARE, loads(rank_0=(0, 0), rank_1=(0, 0), rank_2=(0, 0)))
+    picks = [router.pick(num_tokens=1000, prompt=match_on(index, prompt)) for _ in range(3)]
+    assert sorted(picks) == [0, 1, 2]  # nothing cached: each send queues 1000 tokens on its rank
+    index.blocks.store(1, block_hashes(prompt, BS))
+    hits = [router.pick(num_tokens=1000, prompt=match_on(index, prompt)) for _ in range(3)]
+    assert hits == [1, 1, 1]  # a hit queues one token: the holder stays the cheapest
+
+
+def test_two_routers_given_the_same_view_make_the_same_choice():
+    index = PrefixIndex()
+    view = loads(rank_0=(0, 2), rank_1=(0, 2), rank_2=(0, 2))  # all equal: ties
+    for seed in range(20):
+        prompt = [seed] * 64
+        a = router_with(RoutingPolicy.CACHE_AWARE, view)
+        b = router_with(RoutingPolicy.CACHE_AWARE, view)
+        b.pick()  # b's own rotation moved on: it must not matter
+        assert a.pick(num_tokens=64, prompt=match_on(index, prompt)) == b.pick(num_tokens=64,
+                                                                                prompt=match_on(index, prompt))
+
+
+def test_ties_spread_different_prompts():
+    index = PrefixIndex()
+    view = loads(rank_0=(0, 0), rank_1=(0, 0), rank_2=(0, 0))
+    picks = {router_with(RoutingPolicy.CACHE_AWARE, view).pick(num_tokens=64, prompt=match_on(index, [s] * 64))
+             for s in range(30)}  # fmt: skip
+    assert picks == {0, 1, 2}
+
+
+def test_cache_aware_respects_admission_limits():
+    prompt = list(range(100))
+    index = PrefixIndex()
+    index.blocks.store(1, block_hashes(prompt, BS))
+    router = router_with(RoutingPolicy.CACHE_AWARE, loads(rank_0=(0, 0), rank_1=(50, 0), rank_2=(0, 0)))
+    limits = AdmissionLimits(max_num_queued_requests=1)
+    assert router.pick(num_tokens=100, prompt=match_on(index, prompt), limits=limits) in (0, 2)
+    with pytest.raises(QueuesFull):
+        router.pick(pinned_rank=1, num_tokens=100, limits=limits)
+
+
+def test_round_robin_takes_turns_and_skips_full_queues():
+    router = router_with(RoutingPolicy.ROUND_ROBIN, loads(rank_0=(0, 9), rank_1=(10, 0), rank_2=(0, 0)))
+    assert [router.pick() for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    limits = AdmissionLimits(max_num_queued_requests=3)
+    assert router.pick(limits=limits) == 0
+    # rank 1's queue (1 waiting + 2 sent) is full: its turn goes to the next
+    assert router.pick(limits=limits) == 2
+
+
+# -- sessions (X-Session-Id) ---------------------------------------------------------------------------------------
+
+
+def test_a_session_stays_on_its_rank_until_it_saturates():
+    from dpserve_frontend.router import SESSION_SLACK
+
+    router = router_with(RoutingPolicy.LEAST_LOADED, loads(rank_0=(0, 0), rank_1=(0, 0), rank_2=(0, 0)))
+    first = router.pick(session_id="conv")
+    assert all(router.pick(session_id="conv") == first for _ in range(SESSION_SLACK))
+    assert router.pick(session_id="conv") != first  # its queue is SESSION_SLACK + 1 longer than the others'
+    assert router.pick(session_id="other") not in ()  # other sessions route by the policy
+
+
+def test_a_session_leaves_a_rank_that_stops_serving_or_is_full():
+    router = router_with(RoutingPolicy.ROUND_ROBIN, loads(rank_0=(0, 0), rank_1=(0, 0)), ranks=(0, 1))
+    first = router.pick(session_id="conv")
+    router.set_serving([r for r in (0, 1) if r != first])
+    assert router.pick(session_id="conv") != first
+    second = 1 - first
+    router.set_serving([0, 1])
+    router.update_snapshot([EngineLoad(rank=second, num_waiting=3), EngineLoad(rank=first)])
+    limits = AdmissionLimits(max_num_queued_requests=3)
+    assert router.pick(session_id="conv", limits=limits) == first  # its rank has no room now
