@@ -296,7 +296,8 @@ def _kill_coordinator(deployment: Deployment, faults: list[Fault], started: floa
 
 
 async def _follow_coordinator(deployment: Deployment, fault: Fault, started: float, give_up: float) -> None:
-    """Down: an API server says the coordinator is unreachable; back: it is reachable again, with a new pid."""
+    """Down: an API server says the coordinator is unreachable; back: it hears a new one (re-attached: it publishes
+    only then, and the API server has registered with it)."""
     fault_at = started + fault.at_s
     while time.monotonic() < give_up:
         status = (await asyncio.to_thread(_get_json, deployment.url + "/status.json", 2.0))[1]
@@ -305,7 +306,9 @@ async def _follow_coordinator(deployment: Deployment, fault: Fault, started: flo
         if not reachable and fault.down_after_s is None:
             fault.down_after_s = now - fault_at
         new_pid = coordinator_pid(deployment.rpc_port)
-        if reachable and new_pid not in (None, fault.pid):
+        # back: an API server hears the new coordinator (it said unreachable first: the old one's last broadcast
+        # counts for COORDINATOR_SILENT_S)
+        if reachable and fault.down_after_s is not None and new_pid not in (None, fault.pid):
             fault.recovery_s = now - fault_at
             _log(f"coordinator: reachable again {fault.recovery_s:.1f} s after the kill (pid {new_pid})")
             return
