@@ -18,6 +18,7 @@ import collections
 
 from dpserve_shared.block_hash import block_hash
 
+from dpserve_engine.kv_events import KvEventLog
 from dpserve_engine.sequence import Sequence
 
 
@@ -33,7 +34,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of those, found
-        self._kv_changes: dict[int, bool] | None = None  # hash -> held, since the last take (None: not tracked)
+        self._kv_events = KvEventLog()
 
     # -- accounting ------------------------------------------------------------------------------------------
 
@@ -84,22 +85,16 @@ class BlockManager:
             if self.block_hash[block_id] is None and seq.block_hashes[i] not in self.hash_to_block:
                 self.block_hash[block_id] = seq.block_hashes[i]
                 self.hash_to_block[seq.block_hashes[i]] = block_id
-                if self._kv_changes is not None:
-                    self._kv_changes[seq.block_hashes[i]] = True
+                self._kv_events.stored(seq.block_hashes[i])
 
     # -- KV events ------------------------------------------------------------------------------------------
 
     def start_kv_events(self) -> None:
-        if self._kv_changes is None:
-            self._kv_changes = {}
+        self._kv_events.start()
 
     def take_kv_events(self) -> tuple[list[int], list[int]]:
         """(stored, removed) hashes since the last take."""
-        changes = self._kv_changes
-        if not changes:
-            return [], []
-        self._kv_changes = {}
-        return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
+        return self._kv_events.take()
 
     def cached_hashes(self) -> list[int]:
         """Every hash the cache holds (a KV-events snapshot)."""
@@ -113,8 +108,7 @@ class BlockManager:
         else:
             block_id, _ = self.cached_free.popitem(last=False)  # evict the least recently freed cached block
             del self.hash_to_block[self.block_hash[block_id]]
-            if self._kv_changes is not None:
-                self._kv_changes[self.block_hash[block_id]] = False
+            self._kv_events.removed(self.block_hash[block_id])
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

@@ -13,13 +13,15 @@ import collections
 
 from dpserve_shared.block_hash import block_hashes
 
+from dpserve_engine.kv_events import KvEventLog
+
 
 class NullPrefixCache:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._kv_changes: dict[int, bool] | None = None
+        self._kv_events = KvEventLog()
         self.num_queries = 0  # prompt tokens looked up
         self.num_hits = 0  # of those, found
 
@@ -44,25 +46,18 @@ class NullPrefixCache:
             lru.move_to_end(block_hash)
             return
         lru[block_hash] = None
-        if self._kv_changes is not None:
-            self._kv_changes[block_hash] = True
+        self._kv_events.stored(block_hash)
         while len(lru) > self.num_blocks:
             evicted, _ = lru.popitem(last=False)
-            if self._kv_changes is not None:
-                self._kv_changes[evicted] = False
+            self._kv_events.removed(evicted)
 
     # -- KV events (as BlockManager's) -------------------------------------------------------------------------
 
     def start_kv_events(self) -> None:
-        if self._kv_changes is None:
-            self._kv_changes = {}
+        self._kv_events.start()
 
     def take_kv_events(self) -> tuple[list[int], list[int]]:
-        changes = self._kv_changes
-        if not changes:
-            return [], []
-        self._kv_changes = {}
-        return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
+        return self._kv_events.take()
 
     def cached_hashes(self) -> list[int]:
         return list(self._lru)
