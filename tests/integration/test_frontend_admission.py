@@ -71,6 +71,10 @@ def test_past_the_request_cap_on_every_rank_is_a_503_and_nothing_is_sent(model_i
                     assert orjson.loads(await response.read())["usage"]["completion_tokens"] == 20
                 metrics = await (await client.get("/metrics")).text()
                 assert rejections(metrics) == {"queued_requests": 2.0}
+                decisions = {sample.labels["reason"]: sample.value
+                             for family in text_string_to_metric_families(metrics) for sample in family.samples
+                             if sample.name == "dpserve:routing_decisions_total"}  # fmt: skip
+                assert decisions == {"load": 2.0}  # the refused ones were never routed
                 assert client.server.app[STATE_KEY].pool.num_in_flight == 0
 
         run(scenario())

@@ -155,3 +155,17 @@ def test_a_session_leaves_a_rank_that_stops_serving_or_is_full():
     router.update_snapshot([EngineLoad(rank=second, num_waiting=3), EngineLoad(rank=first)])
     limits = AdmissionLimits(max_num_queued_requests=3)
     assert router.pick(session_id="conv", limits=limits) == first  # its rank has no room now
+
+
+def test_each_pick_says_why_its_rank_was_chosen():
+    prompt = list(range(1000))
+    index = PrefixIndex()
+    index.blocks.store(1, block_hashes(prompt, BS))
+    router = router_with(RoutingPolicy.CACHE_AWARE, loads(rank_0=(0, 0), rank_1=(0, 0), rank_2=(0, 0)))
+    assert router.pick(num_tokens=1000, prompt=match_on(index, prompt)) == 1 and router.last_reason == "prefix"
+    other = list(range(5000, 6000))  # cached nowhere: the lowest cost
+    router.pick(num_tokens=1000, prompt=match_on(index, other))
+    assert router.last_reason == "load"
+    assert router.pick(pinned_rank=2) == 2 and router.last_reason == "pinned"
+    first = router.pick(session_id="conv")
+    assert router.pick(session_id="conv") == first and router.last_reason == "session"

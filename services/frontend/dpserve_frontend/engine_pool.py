@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import msgspec
@@ -133,6 +134,10 @@ class EnginePool:
         self.on_start_wave = on_start_wave
         self._on_resend = on_resend
         self.migration_limit = migration_limit
+        # Called with every routing decision: why (Router.last_reason) and the load snapshot's age in s (None
+        # before the first); the routing metrics
+        self.on_routed: Callable[[str, float | None], None] | None = None
+        self._snapshot_time_s = 0.0  # the newest snapshot's time.time() at the coordinator
         # Set by the coordinator link: whether the coordinator's broadcast has gone silent (engine_liveness.py)
         self.is_coordinator_away: Callable[[], bool] = lambda: False
         # The wave the coordinator last published, and whether the engines looked paused (dpserve_shared.waves).
@@ -178,6 +183,7 @@ class EnginePool:
 
     def apply_snapshot(self, snapshot: LoadSnapshot) -> None:
         """A newer coordinator snapshot: the router's loads and the wave."""
+        self._snapshot_time_s = snapshot.timestamp
         self._router.update_snapshot(snapshot.loads)
         self.waves.on_snapshot(snapshot.wave, snapshot.engines_running)
 
@@ -275,6 +281,9 @@ class EnginePool:
                                  prompt=prompt, session_id=session_id)  # fmt: skip
         if rank not in self._engines:
             raise NoEngineAvailable(f"engine rank {rank} is not connected")
+        if self.on_routed is not None:
+            age_s = time.time() - self._snapshot_time_s if self._snapshot_time_s else None
+            self.on_routed(self._router.last_reason, age_s)
         self._count_routed(rank, len(requests), num_tokens)
         wave, wake_up = self.waves.stamp(rank)
         for seq_index, request in enumerate(requests):

@@ -128,6 +128,9 @@ def observe_many(histogram, values: list[float]) -> None:
         buckets[i].inc(count)
 
 
+_SNAPSHOT_AGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
 @dataclasses.dataclass(slots=True)
 class Totals:
     """Cumulative sums over every finished sequence of this process (FrontendStats' counters)."""
@@ -195,6 +198,13 @@ class FrontendMetrics:
                                             registry=own)  # fmt: skip
         self.engine_errors = Counter("dpserve:frontend_engine_errors", "Sequences that ended with an engine error.",
                                      ["engine"], registry=own)
+        self.routing_decisions = Counter("dpserve:routing_decisions", "Requests routed, by why their rank was "
+                                         "chosen: pinned, session, prefix (it holds part of the prompt), load.",
+                                         ["reason"], registry=own)  # fmt: skip
+        self.snapshot_age = Histogram("dpserve:routing_snapshot_age_seconds", "Age of the coordinator's load "
+                                      "snapshot when a request was routed.", buckets=_SNAPSHOT_AGE_BUCKETS,
+                                      registry=own)  # fmt: skip
+        self._routing_by_reason: dict[str, object] = {}
         self.model_name = model_name
         self.totals = Totals()  # this process's own sums, for the status page (FrontendStats)
         self._by_rank: dict[int, _RankSeries] = {}
@@ -216,6 +226,14 @@ class FrontendMetrics:
             )
             self._by_rank[rank] = series
         return series
+
+    def count_routing(self, reason: str, snapshot_age_s: float | None) -> None:
+        child = self._routing_by_reason.get(reason)
+        if child is None:
+            child = self._routing_by_reason[reason] = self.routing_decisions.labels(reason)
+        child.inc()
+        if snapshot_age_s is not None:
+            self.snapshot_age.observe(max(0.0, snapshot_age_s))
 
     def count_http(self, endpoint: str, status: int) -> None:
         key = (endpoint, str(status))

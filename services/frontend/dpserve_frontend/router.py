@@ -161,6 +161,10 @@ class Router:
             if rank not in self._serving:
                 del self._loads[rank]
 
+    # Why the last `pick` chose its rank (the routing metrics): pinned (X-data-parallel-rank), session
+    # (X-Session-Id), prefix (cache-aware: the rank holds part of the prompt), load (the lowest cost otherwise).
+    last_reason = "load"
+
     def update_snapshot(self, loads: Iterable[EngineLoad]) -> None:
         """A new coordinator snapshot: replaces waiting/running and forgets the local sends."""
         for load in loads:
@@ -196,7 +200,9 @@ class Router:
         Raises `QueuesFull` when no candidate has room."""
         if limits is not None and not limits.is_enabled:
             limits = None
+        self.last_reason = "load"
         if pinned_rank is not None:
+            self.last_reason = "pinned"
             if pinned_rank not in self._loads:
                 raise RankNotServing(pinned_rank, self.serving_ranks)
             rank = pinned_rank
@@ -205,8 +211,12 @@ class Router:
                 raise QueuesFull(reason, f"data-parallel rank {rank}'s queue is full ({limits.describe(reason)}); retry later")
         else:
             rank = self._session_rank(session_id, exclude, limits, num_seqs, num_tokens)
-            if rank is None:
+            if rank is not None:
+                self.last_reason = "session"
+            else:
                 rank = self._lowest_cost(exclude, limits, num_seqs, num_tokens, prompt)
+                if self.policy is RoutingPolicy.CACHE_AWARE and prompt is not None and prompt.num_cached_tokens(rank):
+                    self.last_reason = "prefix"  # the chosen rank holds part of the prompt
             if session_id is not None:
                 self._remember(session_id, rank)
         load = self._loads[rank]

@@ -45,6 +45,7 @@ class FrontendState:
             zmq_security=settings.zmq_security,
             routing=settings.routing,
         )
+        self.pool.on_routed = self.metrics.count_routing
         self.tokenizer: ModelTokenizer | None = None
         self.model_info: ModelInfo | None = None
         self.snapshot: LoadSnapshot | None = None
