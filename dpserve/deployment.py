@@ -5,7 +5,7 @@ Start: Ray (ray_head.py; the coordinator connects to it), then the coordinator, 
 exits while the deployment is STARTING ends it (a bad flag, a model that does not load: the error is in its log).
 Once SERVING, a coordinator or an API server that exits is started again, on a back-off (1 s, doubling for each
 death in a row that came within STABLE_S of its start, at most 30 s): the engines keep serving meanwhile; a new
-coordinator re-attaches to them (--reattach-wait-s; the Ray backend's actors are named and detached, the mp
+coordinator re-attaches to them (it finds them: the Ray backend's actors are named and detached, the mp
 backend's engines watch this process, not the coordinator, and register again); an API server that is gone
 leaves the shared port to the others, and its requests are freed on the engines when the coordinator notices it
 is silent. The Ray instance exiting ends the deployment.
@@ -34,6 +34,7 @@ import urllib.request
 from collections.abc import Callable
 
 from dpserve.ray_head import RayHead, ray_env
+from dpserve_shared.engine_flags import WATCH_PID_ENV
 from dpserve_shared.envelope import deployment_id_from_env, new_deployment_id
 from dpserve_shared.status import API_KEY_ENV
 from dpserve_shared.zmq_security import CLUSTER_KEY_ENV, remove_run_key, run_key_path, write_run_key
@@ -47,8 +48,6 @@ MAX_RESTART_DELAY_S = 30.0
 STABLE_S = 30.0
 # A restarted coordinator waits this long for the engines to register again (they do within ~5 s of the last
 # broadcast); a rank whose engine died meanwhile is started anew after it.
-REATTACH_WAIT_S = 10.0
-WATCH_PID_ENV = "DPSERVE_WATCH_PID"  # the mp backend's engines watch this process (the engine's settings.py)
 
 
 def log(message: str) -> None:
@@ -128,7 +127,8 @@ class Server:
 
         def coordinator_cmd(is_restart: bool) -> list[str]:
             cmd = coordinator_command(coordinator_args, self.ready_file, self.deployment_id)
-            return cmd + ["--reattach-wait-s", str(REATTACH_WAIT_S) if is_restart else "0"]
+            # A first start has no engines to look for; a restart finds them (the coordinator's default)
+            return cmd if is_restart else cmd + ["--reattach-wait-s", "0"]
 
         env = args.zmq_security.child_env(env)  # set by serve.validate(); never on a command line
         # A key made for this run: kept for `dpserve scale` on this host, in a file only this user can read

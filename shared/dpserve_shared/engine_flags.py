@@ -11,6 +11,10 @@ import argparse
 import dataclasses
 from typing import Any
 
+# The engine's one environment contract with whoever starts it: the process whose exit ends it (the mp launcher
+# sets it: `dpserve serve`'s pid, or 0 for none; unset: the engine's parent). Read by the engine's settings.py.
+WATCH_PID_ENV = "DPSERVE_WATCH_PID"
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineFlag:

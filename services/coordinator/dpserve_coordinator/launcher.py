@@ -17,11 +17,12 @@ import subprocess
 import sys
 import time
 
+from dpserve_shared.engine_flags import WATCH_PID_ENV
+
 from dpserve_coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
 
-WATCH_PID_ENV = "DPSERVE_WATCH_PID"  # `dpserve serve` sets it: the engines' own settings read it (engine settings.py)
 
 
 class LaunchError(Exception):

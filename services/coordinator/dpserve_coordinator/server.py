@@ -71,7 +71,7 @@ _KILL_NOW_S = 3.0  # a second signal: this long to kill the engines, then the pr
 
 _UNBOUND_MESSAGES = (RegisterEngine, RegisterFrontend, ScaleRequest)
 # Engines of an earlier coordinator register again within COORDINATOR_SILENCE_S (5 s) of its last broadcast.
-_REATTACH_WAIT_S = 20.0
+_REATTACH_WAIT_S = 10.0  # twice that: a rank whose engine died meanwhile is started anew after it
 _LOOK_FOR_ENGINES_S = 1.5  # an engine left running heartbeats every second, to whoever holds the control port
 
 
@@ -239,8 +239,8 @@ class Coordinator:
 
     async def _reattach(self, ranks: list[int]) -> set[int]:
         """The ranks whose engines outlived a coordinator before this one, watched again: the ray backend's named
-        actors (found by the launcher), and, with --reattach-wait-s, the engines that register again by themselves
-        (mp, under `dpserve serve`). Nothing is published meanwhile."""
+        actors (found by the launcher), and the mp engines that heartbeat to this port and register again by
+        themselves. --reattach-wait-s 0 does not look (a first start). Nothing is published meanwhile."""
         found = self.supervisor.adopt_found()
         wait_s = self.settings.reattach_wait_s
         if wait_s is None:  # find out: ray's actors are found; mp engines left running heartbeat to this port

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "to the engines the one before it left: it waits this long for them to register again "
                              "before starting any rank anew; 0: never look for them (default: find them first, ray: "
                              "the deployment's named actors, mp: engines heartbeating to this port, and wait up to "
-                             "20 s for them)")
+                             "10 s for them)")
     add_status_port_flag(parser)
     parser.add_argument("--api-key", default=None,
                         help=f"the key the status page asks for (default: ${API_KEY_ENV} if set, else none)")

@@ -23,7 +23,7 @@ import argparse
 import dataclasses
 import os
 
-from dpserve_shared.engine_flags import ENGINE_FLAGS, add_engine_flags
+from dpserve_shared.engine_flags import ENGINE_FLAGS, WATCH_PID_ENV, add_engine_flags
 from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
 from dpserve_shared.timing import ENGINE_DRAIN_S
 from dpserve_shared.zmq_security import ZmqSecurity, add_security_flags, security_from_args
@@ -32,7 +32,6 @@ from dpserve_engine.model_files import DEFAULT_MODEL, is_gguf
 
 CACHE_DIR_ENV = "DPSERVE_CACHE_DIR"
 ENFORCE_EAGER_ENV = "DPSERVE_ENFORCE_EAGER"
-WATCH_PID_ENV = "DPSERVE_WATCH_PID"  # set by the mp launcher: the process whose death ends this engine
 
 
 def _watch_pid_from_env() -> int | None:
