@@ -118,6 +118,8 @@ class EngineLoad(_Part):
     # rank and its engine has not reported receiving yet (coordinator reservations.py).
     num_reserved: int = 0
     num_reserved_tokens: int = 0
+    busy_s: float = 0.0  # seconds spent in steps since the engine started (cumulative)
+    max_num_seqs: int = 0  # its batch's capacity (--max-num-seqs; 0: unknown)
 
 
 class FrontendStats(_Part):
@@ -165,6 +167,10 @@ class EngineRequest(_Msg, tag="add"):
     # A migrated request's continuation: the last `num_generated` prompt tokens are output tokens an earlier rank
     # produced; the sampling settings are the remaining ones, and seeded draws continue at this output position.
     num_generated: int = 0
+    # The prompt tokens the routing API server counted for this sequence (what its rank's prefix cache did not
+    # hold, as the API server saw it; -1: the whole prompt). The engine reports the same figure as received, so
+    # the coordinator's reservation of that work ends exactly (coordinator reservations.py).
+    routed_tokens: int = -1
 
 
 class AbortRequests(_Msg, tag="abort"):

@@ -13,6 +13,7 @@ from dpserve_frontend.routing_cost import (
     PromptMatch,
     RankState,
     estimated_ttft_s,
+    slot_wait_s,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -100,6 +101,7 @@ def test_two_routers_given_the_same_view_make_the_same_choice():
         a = router_with(RoutingPolicy.CACHE_AWARE, view)
         b = router_with(RoutingPolicy.CACHE_AWARE, view)
         b.pick()  # b's own rotation moved on: it must not matter
+        b.update_snapshot(view)  # (the same view again: the snapshot replaces b's own count of that send)
         assert a.pick(num_tokens=64, prompt=match_on(index, prompt)) == b.pick(num_tokens=64,
                                                                                 prompt=match_on(index, prompt))
 
@@ -169,3 +171,55 @@ def test_each_pick_says_why_its_rank_was_chosen():
     assert router.pick(pinned_rank=2) == 2 and router.last_reason == "pinned"
     first = router.pick(session_id="conv")
     assert router.pick(session_id="conv") == first and router.last_reason == "session"
+
+
+def test_no_slot_wait_while_the_batch_has_room():
+    roomy = RankState(num_running=2, num_queued=1, max_num_seqs=4, decode_tokens_per_s=100.0)
+    assert slot_wait_s(roomy, num_output_tokens=64) == 0.0
+    assert slot_wait_s(RankState(num_running=100, num_queued=100), 64) == 0.0  # capacity unknown: no term
+
+
+def test_the_slot_wait_grows_with_the_sequences_beyond_the_batch():
+    # full batch of 4 at 100 tok/s: a step is 0.04 s; one finishes every 0.04 * (64 / 2) / 4 = 0.32 s
+    full = RankState(num_running=4, num_queued=0, max_num_seqs=4, decode_tokens_per_s=100.0)
+    assert slot_wait_s(full, 64) == pytest.approx(0.32)
+    longer = RankState(num_running=4, num_queued=3, max_num_seqs=4, decode_tokens_per_s=100.0)
+    assert slot_wait_s(longer, 64) == pytest.approx(4 * 0.32)
+
+
+def test_a_burst_of_prefix_hits_stays_on_the_holder_until_its_batch_is_full_then_spills():
+    """Sticky until saturated: the holder takes the hits while it has batch slots (a hit saves a 1 s prefill);
+    once its batch (max_num_seqs 4) is full and the queue beyond it costs more than the prefill, others get them."""
+    prompt = list(range(1000))
+    index = PrefixIndex()
+    index.blocks.store(1, block_hashes(prompt, BS))
+    view = [EngineLoad(rank=r, max_num_seqs=4, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0)
+            for r in (0, 1, 2)]  # fmt: skip
+    router = router_with(RoutingPolicy.CACHE_AWARE, view)
+    hashes = block_hashes(prompt, BS, max_blocks=(len(prompt) - 1) // BS)
+    match = PromptMatch(len(prompt), index.match(hashes), BS, tie_key=hashes[0], num_output_tokens=64)
+    picks = [router.pick(num_tokens=1000, prompt=match) for _ in range(12)]
+    assert picks[:4] == [1, 1, 1, 1], picks  # room in the holder's batch
+    assert set(picks[4:]) & {0, 2}, picks  # spilled once the wait for a slot passed the prefill saved
+    assert picks.count(1) < len(picks)
+
+
+def test_equal_estimates_go_to_the_rank_with_fewest_sequences():
+    """Ranks whose decode steps take the same time (a null engine, or a CPU at small batches) tie on the
+    estimate whatever their batch; the least-loaded cost settles it, so a burst spreads."""
+    view = [EngineLoad(rank=r, num_running=run, prefill_tokens_per_s=1000.0, decode_tokens_per_s=run / 0.01)
+            for r, run in ((0, 4), (1, 2), (2, 8))]  # fmt: skip
+    index = PrefixIndex()
+    for seed in range(10):
+        router = router_with(RoutingPolicy.CACHE_AWARE, view)
+        assert router.pick(num_tokens=64, prompt=match_on(index, [seed] * 64)) == 1
+
+
+def test_a_rank_that_has_not_measured_its_rates_is_assumed_as_fast_as_its_peers():
+    """A rank that never prefilled (new, or only prefix hits so far) must not look slower than the one that did
+    (the defaults are a guess): equal ranks, one measured, split distinct prompts evenly."""
+    view = [EngineLoad(rank=0, prefill_tokens_per_s=8000.0, decode_tokens_per_s=800.0), EngineLoad(rank=1)]
+    router = router_with(RoutingPolicy.CACHE_AWARE, view, ranks=(0, 1))
+    index = PrefixIndex()
+    picks = [router.pick(num_tokens=256, prompt=match_on(index, [seed] * 256)) for seed in range(10)]
+    assert picks.count(0) == picks.count(1) == 5, picks

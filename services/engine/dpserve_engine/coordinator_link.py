@@ -141,6 +141,10 @@ class CoordinatorLink:
             self.broadcast.connect(ack.pub_addr)
             self._pub_addr = ack.pub_addr
         self._last_broadcast_s = time.monotonic()
+        # (registered again:) what was sent to an earlier coordinator may never have reached this one
+        self._last_stats_key = None
+        self._last_counters = None
+        self.next_counters_s = 0.0
 
     def watch(self, now: float) -> str | None:
         """Register again when the broadcast has been silent for COORDINATOR_SILENCE_S (a restarted coordinator).

@@ -233,6 +233,8 @@ class EngineCore(EngineCoreBase):
             decode_compiled=self.runner.compiled is not None,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             decode_tokens_per_s=self.rates.decode_tokens_per_s,
+            busy_s=self.rates.busy_s,
+            max_num_seqs=self.scheduler.max_num_seqs,
         )
 
 

@@ -111,7 +111,7 @@ class FrontendLink:
         if counts is None:
             counts = self._received[identity] = [0, 0]
         counts[0] += 1
-        counts[1] += len(request.prompt_token_ids)
+        counts[1] += request.routed_tokens if request.routed_tokens >= 0 else len(request.prompt_token_ids)
         self.num_received += 1
 
     def received(self) -> list[FrontendCount]:

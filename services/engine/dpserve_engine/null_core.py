@@ -165,4 +165,6 @@ class NullEngineCore(EngineCoreBase):
             prefix_hits=self._prefix_cache.num_hits if self._prefix_cache is not None else 0,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             decode_tokens_per_s=self.rates.decode_tokens_per_s,
+            busy_s=self.rates.busy_s,
+            max_num_seqs=self._max_num_seqs,
         )

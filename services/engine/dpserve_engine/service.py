@@ -248,6 +248,9 @@ class EngineService:
                           drain_timeout_s=msg.drain_timeout_s or None)
             elif isinstance(msg, RegisterAck):  # registered again
                 self._on_registered(msg)
+                # A new coordinator (restarted) knows nothing of this rank's prefix cache, and nothing tells it
+                # until the cache changes: its index starts from this snapshot.
+                self._send_kv_snapshot()
             elif isinstance(msg, KvResync):
                 self._send_kv_snapshot()
 

@@ -199,6 +199,11 @@ class CoordinatorClient:
         elif isinstance(message, RegisterAck):
             if message.accepted:
                 self._handle_ack(message)
+                if self.prefix_index is not None:
+                    # (registered again:) a restarted coordinator's deltas may have gone out before this API
+                    # server followed its broadcasts, and they come only when a cache changes: take its index now
+                    self.prefix_index.lose_sync()
+                    self._resync_prefix_index()
             else:
                 log.error("the coordinator refused this frontend: %s", message.error)
         # StartWave, Shutdown and FrontendGone are meant for engines.

@@ -276,7 +276,8 @@ class EnginePool:
         no rank serves, `RankNotServing` for a pin that does not and `QueuesFull` when admission control refuses
         it (then nothing is sent)."""
         num_tokens = sum(len(request.prompt_token_ids) for request in requests)
-        prompt = self._match_prompt(requests[0].prompt_token_ids) if pinned_rank is None else None
+        first = requests[0]
+        prompt = self._match_prompt(first.prompt_token_ids, first.sampling.max_tokens) if pinned_rank is None else None
         rank = self._router.pick(pinned_rank, num_seqs=len(requests), num_tokens=num_tokens, limits=self.admission,
                                  prompt=prompt, session_id=session_id)  # fmt: skip
         if rank not in self._engines:
@@ -284,11 +285,15 @@ class EnginePool:
         if self.on_routed is not None:
             age_s = time.time() - self._snapshot_time_s if self._snapshot_time_s else None
             self.on_routed(self._router.last_reason, age_s)
-        self._count_routed(rank, len(requests), num_tokens)
+        # The work this adds to the rank's queue: what its prefix cache does not hold (the router counted the
+        # same); the engine reports it back as received, which ends the coordinator's reservation of it.
+        num_cached = prompt.num_cached_tokens(rank) if prompt is not None else 0
+        self._count_routed(rank, len(requests), num_tokens - num_cached)
         wave, wake_up = self.waves.stamp(rank)
         for seq_index, request in enumerate(requests):
             request.frontend_id = self.frontend_id
             request.wave = wave
+            request.routed_tokens = len(request.prompt_token_ids) - (num_cached if seq_index == 0 else 0)
             self._in_flight[request.request_id] = _InFlight(request, queue, seq_index, rank)
             self._send(rank, request)
         if wake_up is not None and self.on_start_wave is not None:
@@ -296,18 +301,19 @@ class EnginePool:
             self.on_start_wave(wake_up)
         return rank
 
-    def _match_prompt(self, token_ids: list[int]) -> PromptMatch | None:
+    def _match_prompt(self, token_ids: list[int], max_tokens: int = 0) -> PromptMatch | None:
         """Cache-aware routing: the prompt hashed once (its full blocks but the last token's) and matched against
         every rank's prefix cache at once. None for the other policies."""
         if self._router.policy is not RoutingPolicy.CACHE_AWARE:
             return None
         block_size = self.block_size
         if block_size <= 0:
-            return PromptMatch(len(token_ids), tie_key=len(token_ids))
+            return PromptMatch(len(token_ids), tie_key=len(token_ids), num_output_tokens=max_tokens)
         hashes = block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
         if not hashes:
-            return PromptMatch(len(token_ids), tie_key=len(token_ids))
-        return PromptMatch(len(token_ids), self.prefix_index.match(hashes), block_size, tie_key=hashes[0])
+            return PromptMatch(len(token_ids), tie_key=len(token_ids), num_output_tokens=max_tokens)
+        return PromptMatch(len(token_ids), self.prefix_index.match(hashes), block_size, tie_key=hashes[0],
+                           num_output_tokens=max_tokens)  # fmt: skip
 
     def _count_routed(self, rank: int, num_requests: int, num_tokens: int) -> None:
         engine_id = self._engine_ids.get(rank, "")
@@ -336,6 +342,7 @@ class EnginePool:
         self._count_routed(rank, 1, num_tokens)
         entry.rank = rank
         entry.migrations += 1
+        entry.request.routed_tokens = -1  # counted whole on the new rank
         self._send(rank, continuation(entry.request, entry.token_ids) if entry.token_ids else entry.request)
         if self._on_resend is not None:
             self._on_resend()

@@ -46,6 +46,7 @@ class _SnapshotCollector:
         self.model_name = model_name
         self.snapshot: LoadSnapshot | None = None
         self.topology: Topology | None = None
+        self.prefix_index = None  # this API server's mirror of the coordinator's prefix-cache index
 
     def collect(self):
         labels = ["model_name", "engine"]
@@ -58,6 +59,8 @@ class _SnapshotCollector:
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    labels=labels)
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions.", labels=labels)
+        busy = CounterMetricFamily("dpserve:engine_busy_seconds", "Seconds the rank spent in steps (prefill and "
+                                   "decode) since its engine started.", labels=labels)
         compiled = GaugeMetricFamily("dpserve:engine_decode_compiled", "1 once the rank's decode steps run its "
                                      "compiled graph (prepared in the background after start-up).", labels=labels)
         wave = GaugeMetricFamily("dpserve:coordinator_wave", "The coordinator's current wave.")
@@ -76,6 +79,17 @@ class _SnapshotCollector:
         deaths = CounterMetricFamily("dpserve:engine_deaths", "Times the rank went DEAD, by kind (killed, exited, "
                                      "actor_died, missed_heartbeats, stuck, unregistered).",
                                      labels=[*labels, "reason"])  # fmt: skip
+        index_blocks = GaugeMetricFamily("dpserve:prefix_index_blocks", "KV blocks this API server's copy of the "
+                                         "prefix-cache index says the rank holds (cache-aware routing).",
+                                         labels=labels)  # fmt: skip
+        index_resyncs = CounterMetricFamily("dpserve:prefix_index_resyncs", "Whole prefix-cache indexes this API "
+                                            "server took from the coordinator (at start, after a gap in its "
+                                            "deltas, after a coordinator restart).")  # fmt: skip
+        index = self.prefix_index
+        if index is not None:
+            for rank in index.blocks.ranks():
+                index_blocks.add_metric([self.model_name, str(rank)], index.blocks.num_blocks(rank))
+            index_resyncs.add_metric([], index.num_resyncs)
         topology = self.topology
         if topology is not None:
             for engine in topology.engines:
@@ -99,9 +113,10 @@ class _SnapshotCollector:
                 hits.add_metric(values, load.prefix_hits)
                 preemptions.add_metric(values, load.num_preemptions)
                 compiled.add_metric(values, 1.0 if load.decode_compiled else 0.0)
+                busy.add_metric(values, load.busy_s)
             wave.add_metric([], snapshot.wave)
             is_running.add_metric([], 1.0 if snapshot.engines_running else 0.0)
-        return [running, waiting, kv, queries, hits, preemptions, compiled, wave, is_running, states, target,
+        return [running, waiting, kv, queries, hits, preemptions, busy, index_blocks, index_resyncs, compiled, wave, is_running, states, target,
                 healthy, failed, restarts, deaths]
 
 
@@ -244,6 +259,10 @@ class FrontendMetrics:
 
     def update_snapshot(self, snapshot: LoadSnapshot) -> None:
         self._snapshot.snapshot = snapshot
+
+    def follow_prefix_index(self, index) -> None:
+        """Report the size of `index` (a prefix_index.PrefixIndex) per rank and its resyncs."""
+        self._snapshot.prefix_index = index
 
     def update_topology(self, topology: Topology) -> None:
         self._snapshot.topology = topology

@@ -62,6 +62,11 @@ class PrefixIndex:
         self._asked_s = now_s
         return True
 
+    def lose_sync(self) -> None:
+        """Deltas may have been missed (this API server registered again): want a snapshot now."""
+        self.is_synced = False
+        self._asked_s = None
+
     def forget_rank(self, rank: int) -> None:
         """A rank this API server dropped (its coordinator's delta will say so too)."""
         self.blocks.clear_rank(rank)

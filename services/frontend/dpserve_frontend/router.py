@@ -3,7 +3,9 @@
 Three policies (`RoutingPolicy`, --routing): least-loaded (the default, below), cache-aware (the lowest
 estimated time to first token, routing_cost.py: the prompt's tokens not in the rank's prefix cache plus the
 prefill already queued there, over the rank's measured prefill rate, plus its decode and KV pressure; ties start
-at the prompt's first block hash, so every API server given the same view picks the same rank) and round-robin
+at the prompt's first block hash, so every API server given the same view picks the same rank; estimates within
+TIE_TOLERANCE_S or TIE_TOLERANCE_FRACTION of the best are a tie, which the least-loaded cost below settles, so
+requests the cache does not care about, and a burst of them, spread as least-loaded spreads them) and round-robin
 (the next candidate with room).
 
 Least-loaded (vLLM's data-parallel load balancing, with its known fixes):
@@ -53,6 +55,8 @@ WAITING_WEIGHT = 4
 SESSION_SLACK = 8
 SESSION_MAX_KV_USE = 0.95
 MAX_SESSIONS = 65536
+TIE_TOLERANCE_S = 0.005  # cache-aware: estimates within this (or TIE_TOLERANCE_FRACTION of the best) are a tie
+TIE_TOLERANCE_FRACTION = 0.05
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -123,6 +127,7 @@ class _RankLoad:
     kv_blocks_total: int = 0
     prefill_tokens_per_s: float = 0.0  # the rank's measured rates (0: none yet)
     decode_tokens_per_s: float = 0.0
+    max_num_seqs: int = 0  # its batch's capacity (0: unknown)
 
     @property
     def num_queued(self) -> int:
@@ -135,9 +140,11 @@ class _RankLoad:
     def cost(self) -> int:
         return WAITING_WEIGHT * self.num_queued + self.num_running
 
-    def state(self) -> RankState:
-        return RankState(self.num_queued_tokens, self.num_running, self.kv_blocks_used, self.kv_blocks_total,
-                         self.prefill_tokens_per_s, self.decode_tokens_per_s)  # fmt: skip
+    def state(self, peer_rates: tuple[float, float] = (0.0, 0.0)) -> RankState:
+        """`peer_rates`: the other ranks' mean measured (prefill, decode) rates, for a rank without its own."""
+        return RankState(self.num_queued_tokens, self.num_running, self.num_queued, self.max_num_seqs,
+                         self.kv_blocks_used, self.kv_blocks_total, self.prefill_tokens_per_s or peer_rates[0],
+                         self.decode_tokens_per_s or peer_rates[1])  # fmt: skip
 
 
 class Router:
@@ -147,6 +154,9 @@ class Router:
         self._serving: list[int] = []  # sorted
         self._next_start = 0
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # session id -> rank, LRU
+        # The mean (prefill, decode) rates of the ranks that measured theirs: a rank that has not (new, or no
+        # prefill large enough yet) is assumed as fast as its peers, not slower or faster by a constant.
+        self._peer_rates = (0.0, 0.0)
 
     @property
     def serving_ranks(self) -> list[int]:
@@ -179,9 +189,12 @@ class Router:
                 entry.kv_blocks_total = load.kv_blocks_total
                 entry.prefill_tokens_per_s = load.prefill_tokens_per_s
                 entry.decode_tokens_per_s = load.decode_tokens_per_s
+                entry.max_num_seqs = load.max_num_seqs
         for entry in self._loads.values():
             entry.num_sent = 0
             entry.num_sent_tokens = 0
+        self._peer_rates = (_mean(e.prefill_tokens_per_s for e in self._loads.values()),
+                            _mean(e.decode_tokens_per_s for e in self._loads.values()))  # fmt: skip
 
     def pick(
         self,
@@ -234,7 +247,7 @@ class Router:
             raise NoEngineAvailable("no engine rank is serving")
         is_keyed = self.policy is RoutingPolicy.CACHE_AWARE and prompt is not None
         start = (prompt.tie_key if is_keyed else self._next_start) % len(ranks)
-        best_rank, best_cost = -1, None
+        candidates: list[tuple[int, float]] = []  # (rank, cost) in rotation order
         refusals = set()
         for i in range(len(ranks)):
             rank = ranks[(start + i) % len(ranks)]
@@ -244,15 +257,20 @@ class Router:
                 if reason is not None:
                     refusals.add(reason)
                     continue
-            cost = self._cost(rank, load, num_tokens, prompt)
-            if best_cost is None or cost < best_cost:
-                best_rank, best_cost = rank, cost
-        if best_cost is None:
+            candidates.append((rank, self._cost(rank, load, num_tokens, prompt)))
+        if not candidates:
             # every candidate refused: name the request cap if any rank was past it, else the token cap
             reason = "queued_requests" if "queued_requests" in refusals else "queued_tokens"
             raise QueuesFull(reason, f"every serving rank's queue is full ({limits.describe(reason)}); retry later")
         self._next_start = start + 1
-        return best_rank
+        best_cost = min(cost for _, cost in candidates)
+        if self.policy is not RoutingPolicy.CACHE_AWARE:
+            return next(rank for rank, cost in candidates if cost == best_cost)
+        # Estimates this close are a tie: the rank with the fewest sequences (the least-loaded cost) takes it, so
+        # requests the cache does not care about spread like least-loaded ones.
+        close = best_cost + max(TIE_TOLERANCE_S, TIE_TOLERANCE_FRACTION * best_cost)
+        tied = [rank for rank, cost in candidates if cost <= close]
+        return min(tied, key=lambda rank: self._loads[rank].cost())  # the first in rotation order among equals
 
     def _session_rank(self, session_id: str | None, exclude: int | None, limits: AdmissionLimits | None,
                       num_seqs: int, num_tokens: int) -> int | None:  # fmt: skip
@@ -281,9 +299,16 @@ class Router:
         if self.policy is RoutingPolicy.ROUND_ROBIN:
             return 0  # every candidate ties: the rotation picks
         if prompt is None:
-            return estimated_ttft_s(load.state(), num_tokens)
-        return estimated_ttft_s(load.state(), prompt.num_tokens, prompt.num_cached_tokens(rank), prompt.block_size)
+            return estimated_ttft_s(load.state(self._peer_rates), num_tokens)
+        return estimated_ttft_s(load.state(self._peer_rates), prompt.num_tokens, prompt.num_cached_tokens(rank), prompt.block_size,
+                                prompt.num_output_tokens)  # fmt: skip
 
     def cost(self, rank: int) -> int:
         """The least-loaded cost (for inspection)."""
         return self._loads[rank].cost()
+
+
+def _mean(rates: Iterable[float]) -> float:
+    """The mean of the measured (non-zero) rates; 0 when none is."""
+    measured = [rate for rate in rates if rate > 0]
+    return sum(measured) / len(measured) if measured else 0.0

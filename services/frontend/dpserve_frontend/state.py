@@ -46,6 +46,7 @@ class FrontendState:
             routing=settings.routing,
         )
         self.pool.on_routed = self.metrics.count_routing
+        self.metrics.follow_prefix_index(self.pool.prefix_index)
         self.tokenizer: ModelTokenizer | None = None
         self.model_info: ModelInfo | None = None
         self.snapshot: LoadSnapshot | None = None
