@@ -296,3 +296,14 @@ def test_upcycled_model_spec_parses_and_names_itself():
                 "smollm2-moe:4:router=best"):  # fmt: skip
         with pytest.raises(ValueError, match="expected --model smollm2-moe"):
             parse_upcycled(bad)
+
+
+def test_bf16_experts_stay_close_to_fp32(state, model):
+    """--dtype bfloat16 on CPU: bf16 router and experts, fp32 activations (model.Precision's CPU mix)."""
+    bf16 = build_model(ARGS, state, Precision(torch.bfloat16, torch.float32, torch.float32, torch.float32), CPU)
+    assert bf16.layers[0].feed_forward.w13.dtype == torch.bfloat16
+    x = torch.randn(16, ARGS.dim, generator=torch.Generator().manual_seed(2))
+    expected = model.layers[0].feed_forward(x)
+    got = bf16.layers[0].feed_forward(x)
+    assert got.dtype == torch.float32
+    assert (got - expected).norm() / expected.norm() < 0.05  # bf16 rounding, and near-tied routes may swap
