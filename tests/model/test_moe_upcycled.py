@@ -1,6 +1,7 @@
 """The upcycled SmolLM2 (`--model smollm2-moe[:E]`, moe_weights.upcycle) through EngineCore against the dense model,
 all in fp32: with unperturbed experts it computes the dense model (the oracle for expert parallelism); with noise
-routing matters; a rank's subset of the experts is the full model's."""
+routing matters; a rank's subset of the experts is the full model's, and two ranks sharing the experts compute
+the single-process model."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from dpserve_engine.loader import load_weights
 from dpserve_engine.model_info import load_model_info
 from dpserve_engine.moe import expert_range
 from dpserve_engine.settings import EngineConfig
+from tests.unit._expert_comm import ThreadComm, ThreadGroup, prefill, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -98,3 +100,28 @@ def test_ranks_expert_subsets_equal_the_full_models_experts():
         assert len(experts) == 30 * 2 * 3 and all(torch.equal(state[k], full[k]) for k in state)
         shard = build_model(args, state, Precision.fp32(), torch.device("cpu"), expert_ids=ids)
         assert shard.expert_ids == list(ids) and shard.layers[0].feed_forward.w13.shape[0] == 2
+
+
+def test_expert_parallel_real_model_equals_the_single_process_model(prompts):
+    """The perturbed model sharded over 2 simulated ranks (threads, tests/unit/_expert_comm.py), each prefilling
+    its own prompt: each rank's next-token logits equal the unsharded model's on that prompt alone."""
+    config = fp32("smollm2-moe:4:noise=0.02")
+    args, full_state = load_weights(config.model, config.cache_dir)
+    full = build_model(args, full_state, Precision.fp32(), torch.device("cpu"))
+    del full_state
+    shards = []
+    for rank in range(2):
+        ids = expert_range(4, rank, 2)
+        _, state = load_weights(config.model, config.cache_dir, None, expert_ids=ids)
+        shards.append(build_model(args, state, Precision.fp32(), torch.device("cpu"), expert_ids=ids))
+    group = ThreadGroup(2)
+    mine = [prompts["p0"], prompts["p1"]]
+
+    def work(rank):
+        shards[rank].set_expert_comm(ThreadComm(group, rank))
+        return shards[rank].compute_logits(prefill(shards[rank], mine[rank])[-1:])
+
+    for rank, logits in enumerate(run_ranks(2, work)):
+        expected = full.compute_logits(prefill(full, mine[rank])[-1:])
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-3)
+        assert logits.argmax() == expected.argmax()
