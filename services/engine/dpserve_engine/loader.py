@@ -52,7 +52,7 @@ def load_weights(model: str, cache_dir: str, quantization: str | None = None,
     """quantization="int4": Q4_1 linear weights stay as their GGUF groups (`.qweight`, `.scales`, `.mins`).
     expert_ids: of an MoE model, the experts to load (default: all); an error for a dense model."""
     if quantization not in (None, "int4"):
-        raise ValueError(f"quantization={quantization!r}: must be None or 'int4'")
+        raise ValueError(f"quantization must be None or 'int4', got {quantization!r}")
     path = resolve_model_path(model)
     spec = parse_upcycled(model)
     if spec is not None:
