@@ -29,7 +29,11 @@ class EngineFlag:
 
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
-    EngineFlag("--model", str, "'smollm2' (the bundled SmolLM2-135M GGUF), a .gguf file or a Hugging Face directory"),
+    EngineFlag(
+        "--model", str,
+        "'smollm2' (the bundled SmolLM2-135M GGUF), 'smollm2-moe[:E][:noise=X]' (it upcycled to E experts, top-2), "
+        "a .gguf file or a Hugging Face directory (Llama family or Mixtral)",
+    ),
     EngineFlag("--served-model-name", str, "the model name in the API; default: the model's"),
     EngineFlag("--max-model-len", int, "context length; default: the model's, at most 4096"),
     EngineFlag("--max-num-seqs", int, "most requests running at once per rank"),

@@ -3,6 +3,10 @@
 GGUF weights are dequantized to fp32 once and cached under `config.cache_dir` (torch.save); later starts
 memory-map the cache (tens of ms instead of seconds). GGUF stores attn_q/attn_k rows permuted for llama.cpp's
 interleaved RoPE; they are un-permuted here to the HF rotate_half order, so the model has one RoPE.
+
+Mixture of experts: a Mixtral directory (config.json model_type "mixtral" / MixtralForCausalLM) or
+'smollm2-moe[:E]' (the bundled GGUF, upcycled by moe_weights.py) gives Mixtral-named experts; with `expert_ids`
+only those experts' tensors are read (safetensors are opened lazily, tensor by tensor) or built.
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from dpserve_engine.model import ModelArgs
-from dpserve_engine.model_files import ModelFilesNotFound, resolve_model_path
+from dpserve_engine.model_files import ModelFilesNotFound, parse_upcycled, resolve_model_path
+from dpserve_engine.moe_weights import upcycle
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +47,38 @@ _GGUF_NAMES = {
 StateDict = dict[str, torch.Tensor]
 
 
-def load_weights(model: str, cache_dir: str, quantization: str | None = None) -> tuple[ModelArgs, StateDict]:
-    """quantization="int4": Q4_1 linear weights stay as their GGUF groups (`.qweight`, `.scales`, `.mins`)."""
+def load_weights(model: str, cache_dir: str, quantization: str | None = None,
+                 expert_ids: Sequence[int] | None = None) -> tuple[ModelArgs, StateDict]:  # fmt: skip
+    """quantization="int4": Q4_1 linear weights stay as their GGUF groups (`.qweight`, `.scales`, `.mins`).
+    expert_ids: of an MoE model, the experts to load (default: all); an error for a dense model."""
     if quantization not in (None, "int4"):
         raise ValueError(f"quantization must be None or 'int4', got {quantization!r}")
     path = resolve_model_path(model)
+    spec = parse_upcycled(model)
+    if spec is not None:
+        if quantization:
+            raise ValueError(f"{model}: the MoE model runs dequantized weights; use --quantization none (or auto)")
+        args, dense = load_gguf_cached(path, cache_dir, None)
+        logger.info("upcycling %s: %d experts (copies of the dense MLP%s), top-%d, router %s", path,
+                    spec.num_experts, f", noise {spec.noise:g}, seed {spec.seed}" if spec.noise else "", spec.top_k,
+                    spec.router)  # fmt: skip
+        return upcycle(args, dense, spec, _checked_experts(expert_ids, spec.num_experts, model))
     if os.path.isdir(path):
         if quantization:
             raise ValueError(f"quantization={quantization!r} needs a GGUF file with Q4_1 weights; {path} is a directory")
-        return load_hf_dir(path)
+        return load_hf_dir(path, expert_ids)
+    if expert_ids is not None:
+        raise ValueError(f"expert_ids given for {path}, a dense model")
     return load_gguf_cached(path, cache_dir, quantization)
+
+
+def _checked_experts(expert_ids: Sequence[int] | None, num_experts: int, model: str) -> list[int] | None:
+    if expert_ids is None:
+        return None
+    ids = list(expert_ids)
+    if not ids or ids != sorted(set(ids)) or not all(0 <= e < num_experts for e in ids):
+        raise ValueError(f"{model}: expert_ids must be distinct, ascending, in [0, {num_experts}); got {ids}")
+    return ids
 
 
 def load_gguf_cached(path: str, cache_dir: str, quantization: str | None = None) -> tuple[ModelArgs, StateDict]:
@@ -153,10 +182,25 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
 
 
-def load_hf_dir(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """config.json + *.safetensors of a Llama-family model (Llama, Qwen2, SmolLM, Mistral without sliding window)."""
-    from safetensors.torch import load_file
+_EXPERT_TENSOR = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.")
 
+
+def is_mixtral(cfg: dict) -> bool:
+    return cfg.get("model_type") == "mixtral" or "MixtralForCausalLM" in (cfg.get("architectures") or [])
+
+
+def _moe_args(cfg: dict, path: str) -> dict:
+    """ModelArgs' MoE fields from a config.json: Mixtral's keys; other MoE families are refused by name."""
+    if is_mixtral(cfg):
+        return {"num_experts": int(cfg["num_local_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"])}
+    if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
+        raise ValueError(f"{path}: MoE model_type {cfg.get('model_type')!r} is not supported (only 'mixtral')")
+    return {}
+
+
+def load_hf_dir(path: str, expert_ids: Sequence[int] | None = None) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """config.json + *.safetensors of a Llama-family model (Llama, Qwen2, SmolLM, Mistral without sliding window)
+    or of Mixtral. expert_ids: of a Mixtral model, the experts to read (the others' tensors are never read)."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -164,6 +208,12 @@ def load_hf_dir(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         raise ModelFilesNotFound(f"model directory {path} has no *.safetensors files")
     if cfg.get("rope_scaling"):
         logger.warning("%s: rope_scaling %s is ignored (plain RoPE is used)", path, cfg["rope_scaling"])
+    if cfg.get("sliding_window") and cfg["sliding_window"] < cfg.get("max_position_embeddings", 4096):
+        logger.warning("%s: sliding_window %s is ignored (full attention)", path, cfg["sliding_window"])
+    moe = _moe_args(cfg, path)
+    if expert_ids is not None and not moe:
+        raise ValueError(f"expert_ids given for {path}, a dense model")
+    held = _checked_experts(expert_ids, moe.get("num_experts", 0), path)
     n_heads = cfg["num_attention_heads"]
     args = ModelArgs(
         vocab_size=cfg["vocab_size"],
@@ -178,17 +228,42 @@ def load_hf_dir(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         max_seq_len=cfg.get("max_position_embeddings", 4096),
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         qkv_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+        **moe,
     )
     started = time.perf_counter()
-    state = {}
-    for f in files:
-        logger.info("reading %s", f)
-        state.update(load_file(f))
-    required = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight")
+    wanted = None if held is None else set(held)
+    state = _read_safetensors(files, lambda name: wanted is None or _expert_of(name) in (None, *wanted))
+    required = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight"]
+    if args.is_moe:
+        required += ["model.layers.0.block_sparse_moe.gate.weight"]
+        required += [f"model.layers.0.block_sparse_moe.experts.{j}.w{n}.weight"
+                     for j in (held or range(args.num_experts)) for n in (1, 2, 3)]  # fmt: skip
     missing = [k for k in required if k not in state]
     if not args.tie_embeddings and "lm_head.weight" not in state:
         args.tie_embeddings = True  # some checkpoints omit the flag but share the embedding
     if missing:
         raise ModelFilesNotFound(f"{path}: safetensors lack {', '.join(missing)} (not a Llama-family checkpoint?)")
-    logger.info("loaded %d tensors in %.1f s", len(state), time.perf_counter() - started)
+    logger.info("loaded %d tensors in %.1f s%s", len(state), time.perf_counter() - started,
+                f" ({args.num_experts} experts, top-{args.num_experts_per_tok}; held here: "
+                f"{'all' if held is None else held})" if args.is_moe else "")  # fmt: skip
     return args, state  # bf16 or fp32 as stored; the model copies into its own dtypes
+
+
+def _expert_of(name: str) -> int | None:
+    """The expert a Mixtral tensor belongs to (None: not an expert's)."""
+    m = _EXPERT_TENSOR.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _read_safetensors(files: list[str], wanted) -> StateDict:
+    """The tensors named `wanted(name)` of the files; the others are not read (safetensors maps each lazily)."""
+    from safetensors import safe_open
+
+    state = {}
+    for f in files:
+        logger.info("reading %s", f)
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                if wanted(name):
+                    state[name] = st.get_tensor(name)
+    return state

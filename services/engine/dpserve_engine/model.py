@@ -9,6 +9,10 @@ tensor inputs only: what compiled.py compiles; the same math and the same `_qkv`
 Precision: weights may be bf16 while activations, norms and the residual stay fp32 (`Linear` casts its input to
 the weight dtype and its output back). On this CPU that mix, with an fp32 KV cache and an fp32 LM head, gives the
 same greedy tokens as fp32 at half the weight bandwidth (measured in docs/benchmarks.md).
+
+Mixture of experts: when `ModelArgs.num_experts` is set, each block's MLP is a `moe.MoEFeedForward` (top-k routed
+SwiGLU experts, Mixtral names in the state dict); a model may hold a subset of the experts (`expert_ids`) and run
+them across ranks through an `ExpertComm` (`set_expert_comm`, `dummy_forward`; see moe.py).
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from dpserve_engine.moe import ExpertComm, MoEFeedForward, expert_range
 from dpserve_engine.quantized import FastHead, GroupedHead, GroupedLinear, RowSplit, q8_groups
 
 
@@ -38,10 +44,16 @@ class ModelArgs:
     max_seq_len: int = 4096
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    num_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (moe.py); ffn_dim is an expert's
+    num_experts_per_tok: int = 0  # top-k experts per token
 
     def __post_init__(self):
         if not self.head_dim:
             self.head_dim = self.dim // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,10 +265,14 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, prec: Precision):
+    def __init__(self, args: ModelArgs, prec: Precision, expert_ids: Sequence[int] | None = None):
         super().__init__()
         self.attention = Attention(args, prec)
-        self.feed_forward = FeedForward(args, prec)
+        if args.is_moe:
+            self.feed_forward = MoEFeedForward(args.dim, args.ffn_dim, args.num_experts, args.num_experts_per_tok,
+                                               prec.weight, expert_ids)  # fmt: skip
+        else:
+            self.feed_forward = FeedForward(args, prec)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -272,8 +288,11 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, prec: Precision):
+    def __init__(self, args: ModelArgs, prec: Precision, expert_ids: Sequence[int] | None = None):
+        """expert_ids: the experts this model holds, of an MoE model (default: all); None for a dense model."""
         super().__init__()
+        if expert_ids is not None and not args.is_moe:
+            raise ValueError("expert_ids were given for a dense model (ModelArgs.num_experts is 0)")
         self.args, self.prec = args, prec
         embedding_dtype = prec.head if args.tie_embeddings else prec.act  # tied: the fp32 head doubles as embedding
         # `_weight`: no random init (build_model fills it); on the meta device nn.Embedding's normal_ goes through
@@ -282,7 +301,7 @@ class Transformer(nn.Module):
             args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim, dtype=embedding_dtype)
         )
         self.tok_embeddings.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(TransformerBlock(args, prec) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, prec, expert_ids) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else Linear(args.dim, args.vocab_size, False, prec.head)
         self.fast_head: FastHead | GroupedHead | None = None  # set by quantize_head()
@@ -315,6 +334,37 @@ class Transformer(nn.Module):
             x = layer.decode(x, cos, sin, inputs, kv, rows)
         return self.norm(x)
 
+    @property
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoEFeedForward)]
+
+    @property
+    def expert_ids(self) -> list[int] | None:
+        """The experts this model holds (None: a dense model)."""
+        return self.moe_layers[0].expert_ids if self.args.is_moe else None
+
+    def set_expert_comm(self, comm: ExpertComm | None) -> None:
+        """Run the MoE layers across the ranks of `comm` (None: locally). The model must hold exactly the experts
+        moe.expert_range gives its rank."""
+        if not self.args.is_moe:
+            raise ValueError("set_expert_comm: a dense model has no experts to share")
+        if comm is not None:
+            expected = list(expert_range(self.args.num_experts, comm.rank, comm.world_size))
+            if self.expert_ids != expected:
+                raise ValueError(f"rank {comm.rank} of {comm.world_size} must hold experts {expected[0]}.."
+                                 f"{expected[-1]}; this model holds {self.expert_ids}")  # fmt: skip
+        for moe in self.moe_layers:
+            moe.comm = comm
+
+    @torch.inference_mode()
+    def dummy_forward(self) -> None:
+        """A forward of zero tokens, for an expert-parallel rank with nothing to run while others step: only the
+        MoE layers (attention and norms are per rank, and a zero-row step needs neither), each making its gather
+        and scatter_sum so the ranks' collectives match. Without a comm it computes nothing."""
+        empty = torch.empty(0, self.args.dim, dtype=self.prec.act, device=self.rope_cos.device)
+        for moe in self.moe_layers:
+            moe(empty)
+
     def compute_logits(self, h: Tensor) -> Tensor:
         """h: [N, dim] -> fp32 logits [N, vocab]."""
         if self.fast_head is not None:
@@ -342,7 +392,8 @@ class Transformer(nn.Module):
 
     def load_weights(self, state: dict[str, Tensor], path: str = "int4") -> None:
         """Load a loader.py state dict (HF names, HF rotate_half q/k layout), fusing qkv and gate/up; GGUF groups
-        become GroupedLinear layers on kernel path `path` (cpu_paths.py)."""
+        become GroupedLinear layers on kernel path `path` (cpu_paths.py). MoE blocks take Mixtral's names
+        (`block_sparse_moe.gate`, `.experts.{j}.w1/w2/w3`), of the experts held only."""
         with torch.no_grad():
             self.tok_embeddings.weight.copy_(state["model.embed_tokens.weight"])
             self.norm.weight.copy_(state["model.norm.weight"])
@@ -354,19 +405,24 @@ class Transformer(nn.Module):
                 attn, ffn = layer.attention, layer.feed_forward
                 attn.wqkv = fused_linear(state, [f"{p}self_attn.{n}_proj" for n in "qkv"], attn.wqkv, split, path)
                 attn.wo = fused_linear(state, [p + "self_attn.o_proj"], attn.wo, split, path)
-                ffn.w13 = fused_linear(state, [p + "mlp.gate_proj", p + "mlp.up_proj"], ffn.w13, split, path)
-                ffn.w2 = fused_linear(state, [p + "mlp.down_proj"], ffn.w2, split, path)
+                if isinstance(ffn, MoEFeedForward):
+                    ffn.load(state, p + "block_sparse_moe.")  # Mixtral names
+                else:
+                    ffn.w13 = fused_linear(state, [p + "mlp.gate_proj", p + "mlp.up_proj"], ffn.w13, split, path)
+                    ffn.w2 = fused_linear(state, [p + "mlp.down_proj"], ffn.w2, split, path)
                 layer.attention_norm.weight.copy_(state[p + "input_layernorm.weight"])
                 layer.ffn_norm.weight.copy_(state[p + "post_attention_layernorm.weight"])
 
 
 def build_model(
-    args: ModelArgs, state: dict[str, Tensor] | None, prec: Precision, device: torch.device, path: str = "int4"
+    args: ModelArgs, state: dict[str, Tensor] | None, prec: Precision, device: torch.device, path: str = "int4",
+    expert_ids: Sequence[int] | None = None,
 ) -> Transformer:
     """A Transformer on `device`; random weights when state is None (tests). `path`: the kernel path of GGUF
-    groups in `state` (cpu_paths.py)."""
+    groups in `state` (cpu_paths.py). `expert_ids`: the experts of an MoE model to hold (default: all; `state`
+    needs only theirs: loader.load_weights(..., expert_ids))."""
     with torch.device("meta"):
-        model = Transformer(args, prec)
+        model = Transformer(args, prec, expert_ids)
     model = model.to_empty(device=device)
     cos, sin = rope_tables(args)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)

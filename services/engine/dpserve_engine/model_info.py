@@ -16,7 +16,12 @@ import msgspec
 
 from dpserve_shared.schema import ModelInfo
 
-from dpserve_engine.model_files import DEFAULT_MODEL_SERVED_NAME, is_default_model, resolve_model_path
+from dpserve_engine.model_files import (
+    DEFAULT_MODEL_SERVED_NAME,
+    is_default_model,
+    parse_upcycled,
+    resolve_model_path,
+)
 from dpserve_engine.settings import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -141,6 +146,9 @@ def model_info_from_hf_dir(path: str, config: EngineConfig) -> ModelInfo:
 
 
 def _default_served_name(model: str, path: str) -> str:
+    upcycled = parse_upcycled(model)
+    if upcycled is not None:
+        return upcycled.served_name  # e.g. SmolLM2-135M-Instruct-MoE-4x-top2
     return DEFAULT_MODEL_SERVED_NAME if is_default_model(model) else model
 
 

@@ -87,6 +87,12 @@ class ModelRunner:
         second from a saved step (precompiled.py), tens of seconds when it must be traced, minutes when compiled)."""
         from dpserve_engine.compiled import CompiledDecode
 
+        args = self.model.args
+        if args.is_moe:
+            logger.info("MoE model (%d experts, top-%d): the decode step runs eagerly (the compiled step covers dense "
+                        "models only: per-expert token counts are data-dependent)", args.num_experts,
+                        args.num_experts_per_tok)  # fmt: skip
+            return
         try:
             compiled = CompiledDecode(self.model, self.kv_caches, cache_dir)  # stacks the weights; compiles nothing
         except Exception as e:  # noqa: BLE001 - e.g. the attention op cannot be built: serve eagerly

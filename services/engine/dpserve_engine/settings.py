@@ -28,7 +28,7 @@ from dpserve_shared.envelope import DEPLOYMENT_ID_ENV, deployment_id_from_env
 from dpserve_shared.timing import ENGINE_DRAIN_S
 from dpserve_shared.zmq_security import ZmqSecurity, add_security_flags, security_from_args
 
-from dpserve_engine.model_files import DEFAULT_MODEL, is_gguf
+from dpserve_engine.model_files import DEFAULT_MODEL, is_gguf, parse_upcycled
 
 CACHE_DIR_ENV = "DPSERVE_CACHE_DIR"
 ENFORCE_EAGER_ENV = "DPSERVE_ENFORCE_EAGER"
@@ -54,7 +54,7 @@ def _enforce_eager_from_env() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL  # "smollm2", a .gguf file, or a Hugging Face Llama-family directory
+    model: str = DEFAULT_MODEL  # "smollm2", "smollm2-moe[:E]" (upcycled), a .gguf file, or a HF directory
     served_model_name: str | None = None  # defaults to the model's name
     max_model_len: int | None = None  # defaults to min(model's context, 4096)
     max_num_seqs: int = 64
@@ -93,12 +93,13 @@ class EngineConfig:
 
     def resolved_quantization(self, device_type: str) -> str | None:
         """None: dequantized weights. "int4" / "q4": the GGUF's groups on that kernel path, as given. "auto": a
-        GGUF model on CPU, on the path cpu_paths.py chooses for the CPU (None for anything else)."""
+        GGUF model on CPU, on the path cpu_paths.py chooses for the CPU (None for anything else, the upcycled MoE
+        model included: its experts are dequantized copies)."""
         if self.quantization in (None, "none"):
             return None
         if self.quantization != "auto":
             return self.quantization
-        if device_type != "cpu" or self.null_engine:
+        if device_type != "cpu" or self.null_engine or parse_upcycled(self.model) is not None:
             return None
         return "auto" if is_gguf(self.model) else None
 
