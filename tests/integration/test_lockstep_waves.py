@@ -167,3 +167,14 @@ def test_request_arriving_exactly_as_a_wave_completes_is_served(serve_factory, t
     finally:
         problems = stop_serve(server)
     assert not problems, problems
+
+
+@pytest.mark.ray
+def test_ray_backend_100_concurrent_requests_and_pinned_ranks(serve_factory, request, server_log_on_failure):
+    """The same protocol with the ranks as Ray actors' engine processes (placement groups, node IPs from Ray)."""
+    server = serve_factory(**{**EP_CONFIG, "backend": "ray"})
+    request.node.serve = server
+    _assert_all_exact(_burst(server.url, 100))
+    _assert_all_exact(_burst(server.url, 20, rank=1))
+    m = wait_for(lambda: _paused(server.url), 30, "the ranks to pause")
+    assert m["dpserve:engine_dummy_steps_total"][0] > 0  # rank 0 stepped for rank 1's pinned requests
