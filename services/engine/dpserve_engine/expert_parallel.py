@@ -29,7 +29,9 @@ cost of a counts exchange per destination and variable shapes. At DP=2..8 on one
 `all_reduce_has_unfinished(flag)`: the lock-step protocol's "does any rank still have requests" (a MAX
 all-reduce of one int, on a CPU gloo group even when the experts' group is nccl, so it never waits on the GPU).
 
-Every collective is timed: `collective_time_s` (cumulative) feeds the rank's /metrics.
+Every collective is timed: `collective_time_s` (cumulative, waiting for the other ranks included) feeds the rank's
+/metrics. On CUDA that is the host's time: an nccl call returns once queued, and its wait shows in the next sync
+(the counts' `.tolist()`, which syncs every layer). Untested on CUDA so far: no multi-GPU machine was at hand.
 """
 
 from __future__ import annotations
