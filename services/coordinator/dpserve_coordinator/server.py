@@ -264,16 +264,21 @@ class Coordinator:
             )
         log.info("all %d ranks ready in %.1f s", len(ranks), time.monotonic() - started)
         if settings.enable_expert_parallel:
-            await self._form_expert_group(ranks)
+            await self._form_expert_group(ranks, adopted)
         self._write_ready_file()
         self.state = CoordinatorState.SERVING
         self.scaler.open()
         if settings.enable_expert_parallel:
             self.scaler.refuse_always(EP_SCALING_UNSUPPORTED)
 
-    async def _form_expert_group(self, ranks: list[int]) -> None:
+    async def _form_expert_group(self, ranks: list[int], adopted: set[int]) -> None:
         """ExpertGroup to every rank: rank 0's node, a port free there (picked here; rank 0's node is this one
-        unless Ray placed it elsewhere, where the port is only likely free), the world size and the rank."""
+        unless Ray placed it elsewhere, where the port is only likely free), the world size and the rank. Engines
+        re-attached from a coordinator before this one are in their group already: nothing is sent (a rank started
+        anew beside them cannot join it; it gives up after its --register-timeout-s, which names the reason)."""
+        if adopted:
+            log.info("expert-parallel group: re-attached ranks %s are in theirs already", sorted(adopted))
+            return
         host = self.registry.engines[ranks[0]].node_ip or self.settings.data_parallel_address
         port = free_port(host if _is_local(host) else self.settings.data_parallel_address)
         log.info("expert-parallel group of %d ranks at tcp://%s:%d", len(ranks), host, port)
