@@ -46,9 +46,10 @@ import dataclasses
 from dpserve_shared.schema import StartWave, StartWaveRequest
 
 # Lock-step: steps between two all-reduces of "has unfinished". vLLM uses 32 on GPUs, where the all-reduce is a
-# host sync that stalls the step pipeline; here steps are CPU-bound and milliseconds long, the all-reduce (one int
-# over gloo) costs ~0.1 ms, and the interval bounds the dummy steps each idle period costs (up to this many after
-# the last request finishes), so it is smaller: 8 costs ~1% of a 10 ms step and pauses within 8 steps.
+# host sync that stalls the step pipeline. Here steps are CPU-bound and take milliseconds, the all-reduce (one int
+# over gloo, 2 local processes) took 0.54 ms on a 2-core machine under load 10, and the interval bounds the dummy
+# steps each idle period costs (up to this many after the last request finishes), so it is smaller: every 8 steps
+# the all-reduce adds < 0.1 ms per step, and a burst's end is followed by at most 8 dummy steps.
 SYNC_INTERVAL_STEPS = 8
 
 

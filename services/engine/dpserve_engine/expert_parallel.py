@@ -26,6 +26,10 @@ two collectives have fixed shapes per step, which is what a compiled or graph-ca
 would send each row only to the ranks holding its chosen experts: less traffic for large N and small k, at the
 cost of a counts exchange per destination and variable shapes. At DP=2..8 on one node the difference is small.
 
+Measured (DP=2, gloo, 2 local processes, a 2-core machine under load 10, so upper bounds): a layer with 0 rows on
+every rank (the counts only) 0.77 ms; 32 rows of 576 fp32 per rank (SmolLM2's hidden size; 74 KB gathered,
+147 KB reduced) 14 ms.
+
 `all_reduce_has_unfinished(flag)`: the lock-step protocol's "does any rank still have requests" (a MAX
 all-reduce of one int, on a CPU gloo group even when the experts' group is nccl, so it never waits on the GPU).
 
