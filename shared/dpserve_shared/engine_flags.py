@@ -68,6 +68,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "a request that waited this long in the rank's queue without being scheduled is ended and answered 503 "
         "with Retry-After (a moved request's continuation is exempt); default: no limit",
     ),
+    EngineFlag(
+        "--enable-expert-parallel", "switch",
+        "expert parallelism across the data-parallel ranks (vLLM's flag): the ranks form one torch.distributed "
+        "group and step in lock-step waves (a rank without requests runs dummy steps while any rank has work); "
+        "needs a mixture-of-experts model or --null-engine. Scaling and replacing ranks are not supported yet",
+    ),
     EngineFlag("--null-engine", "switch", "no model: tokens on a fixed step time (benchmarks, simulation)"),
     EngineFlag("--null-step-time-ms", float, "the null engine's step time"),
     EngineFlag("--null-prefill-time-per-token-s", float,

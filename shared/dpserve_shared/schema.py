@@ -20,7 +20,9 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: WaveComplete, ReleaseRequests, prefix_block_hashes removed; 3: EngineRequest.num_generated
+# 2: WaveComplete, ReleaseRequests, prefix_block_hashes removed; 3: EngineRequest.num_generated; 4: lock-step waves
+# (WaveComplete again, ExpertGroup, EngineLoad's lock-step counters)
+PROTOCOL_VERSION = 4
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag=True, kw_only=False):
@@ -120,6 +122,10 @@ class EngineLoad(_Part):
     num_reserved_tokens: int = 0
     busy_s: float = 0.0  # seconds spent in steps since the engine started (cumulative)
     max_num_seqs: int = 0  # its batch's capacity (--max-num-seqs; 0: unknown)
+    # Lock-step (--enable-expert-parallel) only: steps run with no request of this rank's own (so that the
+    # collectives of the busy ranks match), and seconds spent in the expert-parallel group's collectives.
+    num_dummy_steps: int = 0
+    collective_time_s: float = 0.0
 
 
 class FrontendStats(_Part):
@@ -291,6 +297,13 @@ class EngineStats(_Msg, tag="engine_stats"):
     received: list[FrontendCount] = []  # per API server: what reached this engine (reservations end there)
 
 
+class WaveComplete(_Msg, tag="wave_complete"):
+    """Rank 0 of a lock-step (expert-parallel) deployment -> coordinator: the ranks' all-reduce found no rank with
+    unfinished requests, so every rank paused at the same step and moved to wave `wave` + 1."""
+
+    wave: int
+
+
 class StartWaveRequest(_Msg, tag="start_wave_request"):
     """Frontend (first request while paused) or engine (request with a stale wave) -> coordinator."""
 
@@ -351,6 +364,18 @@ class ScaleAck(_Msg, tag="scale_ack"):
     is_complete: bool = False
     pub_addr: str = ""
     topology: Topology | None = None
+
+
+class ExpertGroup(_Msg, tag="expert_group"):
+    """Coordinator -> each engine (control) of an --enable-expert-parallel deployment, once every rank has
+    registered: form the torch.distributed group at rank 0's node `host` and `port` (picked by the coordinator),
+    as `rank` of `world_size`, giving up after `timeout_s` (also each collective's timeout)."""
+
+    host: str
+    port: int
+    world_size: int
+    rank: int
+    timeout_s: float = 120.0
 
 
 class FrontendGone(_Msg, tag="frontend_gone"):
@@ -431,6 +456,7 @@ ToCoordinator = (
     | Heartbeat
     | EngineStats
     | StartWaveRequest
+    | WaveComplete
     | ScaleRequest
     | KvEvents
     | KvIndexRequest
@@ -447,4 +473,5 @@ FromCoordinator = (
     | KvResync
     | KvDelta
     | KvIndexSnapshot
+    | ExpertGroup
 )

@@ -24,3 +24,4 @@ COUNTERS_INTERVAL_S = 1.0  # engine: EngineStats with the cumulative counters at
 ENGINE_DRAIN_S = 5.0  # engine: Shutdown(drain=True) lets running requests finish this long, then aborts them
 
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit): the frontend refuses more, the engine too
+EXPERT_GROUP_TIMEOUT_S = 120.0  # an expert-parallel rank's join, and each collective, gives up after this long

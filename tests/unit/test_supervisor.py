@@ -135,3 +135,24 @@ def test_retry_now_ends_a_dead_ranks_back_off(monkeypatch):
         await sup.close(1.0)
 
     asyncio.run(scenario())
+
+
+def test_a_dead_rank_of_an_expert_parallel_deployment_is_not_replaced(fast, caplog):
+    """Re-forming the expert-parallel group with a replacement is not supported yet: the rank stays DEAD, with an
+    error saying so, instead of a replacement that would hang waiting for a group that is gone."""
+
+    async def scenario():
+        registry = Registry(1)
+        launcher = ScriptedLauncher(registry)
+        sup = RankSupervisor(registry, CoordinatorSettings(enable_expert_parallel=True), launcher)
+        registry.engine_starting(0)
+        await sup.start(0)
+        launcher.kill(0)
+        await _until(lambda: registry.topology().engines[0].state == EngineState.DEAD)
+        await asyncio.sleep(0.1)  # longer than the fast back-off: a replacement would have started
+        assert len(launcher.starts) == 1
+        await sup.close(1.0)
+
+    with caplog.at_level("ERROR", logger="dpserve.coordinator"):
+        asyncio.run(scenario())
+    assert "not supported yet" in caplog.text

@@ -80,6 +80,10 @@ class Scaler:
         if self._refusal == _NOT_OPEN:
             self._refusal = None
 
+    def refuse_always(self, reason: str) -> None:
+        """Refuse every request with `reason` (an expert-parallel deployment cannot be scaled yet)."""
+        self._refusal = reason
+
     def close(self) -> None:
         """The coordinator is stopping: refuse requests from now on and cancel a step in progress (its requester
         gets no second answer); `wait_closed` waits until that step has unwound."""

@@ -12,6 +12,12 @@ load or the wave state changed and every 1 s otherwise (a heartbeat for frontend
 unregisters or is silent for 5 s; StartWave when a frontend or engine asks for one (dpserve_shared.waves: for
 dense models the wave is bookkeeping, it completes when every rank's load says it stopped stepping).
 
+Expert parallelism (--enable-expert-parallel): once every rank of the start-up has registered, each engine gets
+ExpertGroup on the control socket (rank 0's node address, a port picked here, the world size, its rank) and the
+ranks form their torch.distributed group; waves are lock-step (LockstepCoordinatorWaves): one ends only when
+rank 0 sends WaveComplete. Scaling such a deployment and replacing a dead rank are refused with an error (not
+supported yet: the group would have to be re-formed).
+
 Rank supervision (start, watch, restart) is supervisor.py's; scaling (ScaleRequest from `dpserve scale`) is
 scaling.py's, one step at a time, once the coordinator is SERVING.
 """
@@ -24,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -36,6 +43,7 @@ from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import (
     EngineState,
     EngineStats,
+    ExpertGroup,
     FrontendGone,
     Heartbeat,
     KvEvents,
@@ -50,8 +58,10 @@ from dpserve_shared.schema import (
     Shutdown,
     StartWaveRequest,
     Unregister,
+    WaveComplete,
 )
-from dpserve_shared.waves import CoordinatorWaves
+from dpserve_shared.timing import EXPERT_GROUP_TIMEOUT_S
+from dpserve_shared.waves import CoordinatorWaves, LockstepCoordinatorWaves
 
 from dpserve_coordinator.kv_index import KvIndex
 from dpserve_coordinator.launcher import EngineLauncher, LaunchError
@@ -75,8 +85,28 @@ _REATTACH_WAIT_S = 10.0  # twice that: a rank whose engine died meanwhile is sta
 _LOOK_FOR_ENGINES_S = 1.5  # an engine left running heartbeats every second, to whoever holds the control port
 
 
+EP_SCALING_UNSUPPORTED = ("scaling an expert-parallel deployment (--enable-expert-parallel) is not supported yet: "
+                          "its ranks' process group would have to be re-formed")
+
+
 class StartupFailed(Exception):
     pass
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the expert-parallel group's; rank 0 binds it when it joins)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _is_local(host: str) -> bool:
+    try:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+        return True
+    except OSError:
+        return False
 
 
 class CoordinatorState(enum.Enum):
@@ -98,7 +128,7 @@ class Coordinator:
         )
         self.supervisor = RankSupervisor(self.registry, settings, launcher)  # the backend's launcher when None
         self.scaler = Scaler(self.registry, self.supervisor, self.reply, settings.engine_startup_timeout_s)
-        self.waves = CoordinatorWaves()
+        self.waves = LockstepCoordinatorWaves() if settings.enable_expert_parallel else CoordinatorWaves()
         self.kv_index = KvIndex(index_id=time.time_ns() // 1_000_000)  # a restarted coordinator's is another
         self.reservations = Reservations()  # routed work not yet reported by the engines, on every LoadSnapshot
         self.ctx = zmq.asyncio.Context()
@@ -233,9 +263,28 @@ class Coordinator:
                 f"{settings.engine_startup_timeout_s:.0f} s ({self.supervisor.describe(missing.late)})"
             )
         log.info("all %d ranks ready in %.1f s", len(ranks), time.monotonic() - started)
+        if settings.enable_expert_parallel:
+            await self._form_expert_group(ranks, adopted)
         self._write_ready_file()
         self.state = CoordinatorState.SERVING
         self.scaler.open()
+        if settings.enable_expert_parallel:
+            self.scaler.refuse_always(EP_SCALING_UNSUPPORTED)
+
+    async def _form_expert_group(self, ranks: list[int], adopted: set[int]) -> None:
+        """ExpertGroup to every rank: rank 0's node, a port free there (picked here; rank 0's node is this one
+        unless Ray placed it elsewhere, where the port is only likely free), the world size and the rank. Engines
+        re-attached from a coordinator before this one are in their group already: nothing is sent (a rank started
+        anew beside them cannot join it; it gives up after its --register-timeout-s, which names the reason)."""
+        if adopted:
+            log.info("expert-parallel group: re-attached ranks %s are in theirs already", sorted(adopted))
+            return
+        host = self.registry.engines[ranks[0]].node_ip or self.settings.data_parallel_address
+        port = free_port(host if _is_local(host) else self.settings.data_parallel_address)
+        log.info("expert-parallel group of %d ranks at tcp://%s:%d", len(ranks), host, port)
+        for rank in ranks:
+            engine = self.registry.engines[rank]
+            await self.reply(engine.engine_id, ExpertGroup(host, port, len(ranks), rank, EXPERT_GROUP_TIMEOUT_S))
 
     async def _reattach(self, ranks: list[int]) -> set[int]:
         """The ranks whose engines outlived a coordinator before this one, watched again: the ray backend's named
@@ -397,6 +446,10 @@ class Coordinator:
                 engine = registry.engine_by_id(sender_id)
                 if engine is not None and registry.mark_dead(engine.rank, f"unregistered: {msg.reason}"):
                     log.info("rank %d unregistered", engine.rank)
+        elif isinstance(msg, WaveComplete):
+            engine = registry.engine_by_id(sender)
+            if engine is not None and engine.rank == 0 and self.waves.on_wave_complete(msg.wave):
+                log.debug("wave %d complete: the engines paused", msg.wave)
         elif isinstance(msg, StartWaveRequest):
             start = self.waves.on_start_request(msg)
             if start is not None:

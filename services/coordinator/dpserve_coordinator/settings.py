@@ -43,6 +43,9 @@ class CoordinatorSettings:
     engine_stall_timeout_s: float = ENGINE_STALL_S  # a rank with work and no step this long is stuck
     max_engine_restarts: int = 3  # quick deaths in a row before a rank is shown as FAILED (supervisor.py)
     engine_args: tuple[str, ...] = ()  # passed to every `dpserve-engine` command line
+    # --enable-expert-parallel (an engine flag, in engine_args too): the ranks form one process group and step in
+    # lock-step waves; the coordinator hands out the group's address and follows rank 0's WaveComplete
+    enable_expert_parallel: bool = False
     ready_file: str | None = None  # written (with the topology as JSON) once every rank is READY
     # How long to wait for the engines of a coordinator before this one to register again; None (the command
     # line's default): look for them first (ray: their actors; mp: their heartbeats, 1.5 s), 0: never look.
@@ -174,6 +177,7 @@ def settings_from_args(args: argparse.Namespace, environ=os.environ) -> Coordina
         engine_stall_timeout_s=args.engine_stall_timeout_s,
         max_engine_restarts=args.max_engine_restarts,
         engine_args=engine_argv(args),
+        enable_expert_parallel=bool(args.enable_expert_parallel),
         ready_file=args.ready_file,
         status_port=args.status_port,
         reattach_wait_s=args.reattach_wait_s,

@@ -3,9 +3,9 @@
 - control: a DEALER (identity = engine id) to the coordinator's ROUTER. `RegisterEngine` -> `RegisterAck` (the
   rank, the broadcast address, the topology); then `EngineStats` when the load changed (at most every 50 ms, and
   with the cumulative counters every 1 s), `StartWaveRequest` when a request finds the engines paused, and
-  `Unregister` on exit; `KvEvents` (what the prefix cache stored and evicted, numbered) after a step that changed
+  `Unregister` on exit; `WaveComplete` (rank 0 of an expert-parallel deployment); `KvEvents` (what the prefix cache stored and evicted, numbered) after a step that changed
   it, and a snapshot of it when the coordinator asks (`KvResync`). The coordinator sends `Shutdown` here
-  (scale-down).
+  (scale-down) and, to an expert-parallel deployment once every rank registered, `ExpertGroup`.
 - broadcast: a SUB to the coordinator's PUB (`Topology`, `LoadSnapshot`, `StartWave`, `FrontendGone`, `Shutdown`).
 - heartbeats: `Heartbeat` every 1 s from a thread with a DEALER of its own, so that a long step (a big prefill
   on a starved CPU can take longer than the coordinator's 5 s engine timeout) never makes a live rank look dead.
@@ -34,6 +34,7 @@ from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import (
     EngineLoad,
     EngineStats,
+    ExpertGroup,
     FrontendCount,
     Heartbeat,
     KvEvents,
@@ -175,7 +176,7 @@ class CoordinatorLink:
         messages are dropped; a broadcast of this one's is a sign of life."""
         while self.control.poll(0):
             msg = self._recv_control()
-            if isinstance(msg, (Shutdown, KvResync)):
+            if isinstance(msg, (Shutdown, KvResync, ExpertGroup)):
                 yield msg
             elif isinstance(msg, RegisterAck):
                 if msg.accepted:
@@ -235,6 +236,9 @@ class CoordinatorLink:
     # -- heartbeats -----------------------------------------------------------------------------------------------
 
     def start_heartbeats(self) -> None:
+        """Idempotent (an expert-parallel rank starts them before joining its group)."""
+        if self._heartbeat_thread is not None:
+            return
         thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         thread.start()
         self._heartbeat_thread = thread

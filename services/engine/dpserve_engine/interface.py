@@ -50,6 +50,25 @@ class EngineCoreBase(abc.ABC):
         """Every block hash the prefix cache holds now."""
         return []
 
+    # Expert parallelism (--enable-expert-parallel; the lock-step contract, service lockstep.py): once the rank
+    # joined the group, every step() and every dummy_step() runs each MoE layer's collectives exactly once (a step
+    # that schedules nothing runs the dummy forward), so that the ranks' collectives match one for one.
+
+    @property
+    def supports_expert_parallel(self) -> bool:
+        return type(self).set_expert_comm is not EngineCoreBase.set_expert_comm
+
+    def set_expert_comm(self, comm) -> None:
+        """Use `comm` (an ExpertComm: expert_parallel.ExpertParallelComm) for the MoE layers from now on."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no expert-parallel mode: --enable-expert-parallel needs a mixture-of-experts "
+            "model (or --null-engine)"
+        )
+
+    def dummy_step(self) -> None:
+        """One forward with no tokens of this rank's own (0 rows into every MoE layer's collectives)."""
+        raise NotImplementedError(f"{type(self).__name__} has no expert-parallel mode")
+
 
 def queue_timeout_output(request_id: str, waited_s: float, limit_s: float) -> RequestOutput:
     """The answer to a request that waited longer than --max-queue-time-s (EngineCore and the null engine)."""

@@ -9,6 +9,12 @@ Prefix cache (null_prefix_cache.py, with `enable_prefix_caching`): a request's p
 is admitted, and the step that admits it takes `prefill_time_per_token_s` longer per prompt token not cached, so
 routing by prefix shows up in time to first token without a model. Its KV events and measured prefill/decode
 rates are reported as the real engine's are.
+
+Expert-parallel mode (`set_expert_comm`, with --enable-expert-parallel): every step, and every dummy step of a
+rank without requests, runs what an MoE model's forward would over the expert-parallel group, on small tensors:
+NULL_EP_NUM_LAYERS layers of gather + scatter_sum, one row per sequence decoded in the step (0 in a dummy step).
+So the lock-step wave protocol (pause, restart, dummy steps, the all-reduce) runs for real across processes
+without a model; torch is imported only in this mode.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, Model
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest, queue_timeout_output
 from dpserve_engine.null_prefix_cache import NullPrefixCache
 from dpserve_engine.step_rates import StepRates
+
+
+NULL_EP_NUM_LAYERS = 2  # "MoE layers" per step in expert-parallel mode
+_NULL_EP_DIM = 8  # their hidden size
 
 
 class _NullRequest:
@@ -64,6 +74,27 @@ class NullEngineCore(EngineCoreBase):
         self._prefix_cache = NullPrefixCache(num_kv_blocks, block_size) if enable_prefix_caching else None
         self._prefill_time_per_token_s = prefill_time_per_token_s
         self.rates = StepRates()
+        self._expert_comm = None  # set_expert_comm: expert-parallel mode
+
+    def set_expert_comm(self, comm) -> None:
+        self._expert_comm = comm
+
+    def dummy_step(self) -> None:
+        self._exchange_with_experts(0)
+
+    def _exchange_with_experts(self, num_rows: int) -> None:
+        """What an MoE forward does across ranks: per layer, gather every rank's rows, "compute" (this rank's
+        experts add its rank + 1), sum over ranks; checks that its own rows came back with every rank's share."""
+        import torch  # expert-parallel mode only
+
+        comm = self._expert_comm
+        expected = sum(range(1, comm.world_size + 1))
+        for _ in range(NULL_EP_NUM_LAYERS):
+            x = torch.ones((num_rows, _NULL_EP_DIM))
+            gathered, counts = comm.gather(x)
+            mine = comm.scatter_sum(gathered * (comm.rank + 1), counts)
+            if mine.shape != x.shape or (num_rows and not bool((mine == expected).all())):
+                raise RuntimeError(f"expert-parallel exchange returned {tuple(mine.shape)} rows, not {num_rows}")
 
     def add_request(self, request: EngineRequest) -> None:
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
@@ -133,6 +164,8 @@ class NullEngineCore(EngineCoreBase):
             del self._running[request_id]
         self._num_generation_tokens += len(outputs)
         self._num_steps += 1
+        if self._expert_comm is not None:
+            self._exchange_with_experts(len(outputs))
         step_s = self._step_time_s + self._prefill_time_per_token_s * num_prefill_tokens
         remaining = step_s - (time.perf_counter() - started)
         if remaining > 0:

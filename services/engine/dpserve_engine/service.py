@@ -15,6 +15,12 @@ The busy loop (`EngineService.run`), one iteration:
   6. timers: EngineStats to the coordinator, parent-pid watch, registering again when the coordinator's broadcast
      has been silent (a restarted coordinator), exiting when the deployment is gone.
 
+Expert parallelism (--enable-expert-parallel; lockstep.py): after registering, the rank waits for the
+coordinator's ExpertGroup (sent once every rank has registered), joins the torch.distributed group, and from then
+on steps in lock-step waves: while a wave runs it steps every iteration (a dummy step without requests of its
+own), every few steps the ranks all-reduce "has unfinished", and they pause together; rank 0 reports
+WaveComplete. Without the flag nothing of this runs and the waves stay bookkeeping.
+
 Lifecycle (lifecycle.py): STARTING -> SERVING -> DRAINING -> STOPPED; the loop runs until STOPPED. The parent
 died: stop now. SIGTERM/SIGINT or Shutdown(drain=True): drain (take no requests, let running ones finish for up
 to --drain-timeout-s, or the Shutdown's own drain_timeout_s, abort the rest); a second signal or
@@ -41,6 +47,8 @@ from dpserve_shared.schema import (
     AbortRequests,
     EngineLoad,
     EngineRequest,
+    EngineStats,
+    ExpertGroup,
     FinishReason,
     FrontendGone,
     KvResync,
@@ -51,6 +59,7 @@ from dpserve_shared.schema import (
     Shutdown,
     StartWave,
     Topology,
+    WaveComplete,
 )
 from dpserve_shared.waves import EngineWaves
 from dpserve_shared.zmq_security import ClusterKeyError, log_security
@@ -59,6 +68,7 @@ from dpserve_engine.coordinator_link import CoordinatorLink, RegistrationFailed
 from dpserve_engine.frontend_link import FrontendLink
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest
 from dpserve_engine.lifecycle import Lifecycle, ProcessState
+from dpserve_engine.lockstep import Lockstep, hold
 from dpserve_engine.progress import Ticker
 from dpserve_engine.settings import ServiceSettings, build_parser, config_from_args, settings_from_args
 from dpserve_engine.threads import ThreadBudget
@@ -81,6 +91,8 @@ class EngineService:
         self.coordinator = CoordinatorLink(self.ctx, settings)
         self._parent_pid = settings.watch_pid or os.getppid()
         self._num_failed_steps = 0
+        self.lockstep: Lockstep | None = None  # --enable-expert-parallel, once the group is joined
+        self._has_held_pause = False
 
     @property
     def rank(self) -> int:
@@ -115,6 +127,8 @@ class EngineService:
         )
         ack = self.coordinator.register(registration, lambda: self.lifecycle.is_stopped or self._parent_died())
         self._on_registered(ack)
+        if self.settings.enable_expert_parallel:
+            self._join_expert_group()
         self.core.start_kv_events()
         self.lifecycle.serving()
 
@@ -122,6 +136,41 @@ class EngineService:
         if ack.topology is not None:
             self.threads.on_topology(ack.topology, ack.rank)
         self.waves.rank = ack.rank
+
+    def _join_expert_group(self) -> None:
+        """Wait for the coordinator's ExpertGroup (every rank registered), join the group, step in lock-step from
+        now on. Raises RegistrationFailed (stopped or no ExpertGroup in time) or ExpertGroupJoinFailed."""
+        self.coordinator.start_heartbeats()  # the wait and the join may outlast the coordinator's engine timeout
+        from dpserve_engine.expert_parallel import ExpertGroup as Group  # torch: imported by run() already
+        from dpserve_engine.expert_parallel import ExpertGroupJoinFailed, ExpertParallelComm, GroupAddress
+
+        started = time.monotonic()
+        log.info("waiting for the coordinator's expert-parallel group (every rank registered)")
+        message = None
+        while message is None:
+            if self.lifecycle.is_stopped or self._parent_died():
+                raise RegistrationFailed("stopped while waiting for the expert-parallel group")
+            if time.monotonic() - started > self.settings.register_timeout_s:
+                raise RegistrationFailed(
+                    f"no expert-parallel group from the coordinator at {self.settings.coordinator_addr} after "
+                    f"{self.settings.register_timeout_s:.0f} s (--register-timeout-s): did every rank register?"
+                )
+            for msg in list(self.coordinator.receive()):
+                if isinstance(msg, ExpertGroup):
+                    message = msg
+                elif isinstance(msg, Shutdown):
+                    raise RegistrationFailed(f"shut down while waiting for the expert-parallel group: {msg.reason}")
+            self.coordinator.control.poll(100)
+        if message.rank != self.rank:
+            raise RegistrationFailed(f"the coordinator placed rank {self.rank} as rank {message.rank} of the group")
+        address = GroupAddress(message.host, message.port, message.world_size, message.rank, message.timeout_s)
+        try:
+            group = Group.join(address, getattr(self.core, "device", "cpu"))
+        except ExpertGroupJoinFailed as e:
+            raise RegistrationFailed(str(e)) from None
+        self.core.set_expert_comm(ExpertParallelComm(group))
+        self.lockstep = Lockstep(self.rank, group, self.core)
+        self.waves = self.lockstep.waves
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
@@ -133,7 +182,7 @@ class EngineService:
         next_parent_check = time.monotonic() + PARENT_CHECK_INTERVAL_S
         self.lifecycle.end_drain_if_done(self.core.has_unfinished())
         while self.lifecycle.state is not ProcessState.STOPPED:
-            has_work = self.core.has_unfinished()
+            has_work = self._has_work()
             until_timer_ms = int((self.coordinator.next_counters_s - time.monotonic()) * 1000)
             timeout_ms = 0 if has_work else max(0, min(IDLE_POLL_MS, until_timer_ms))
             for sock, _ in poller.poll(timeout_ms):
@@ -141,7 +190,11 @@ class EngineService:
                     self._take_frontend_messages()
                 else:
                     self._take_coordinator_messages()
-            if self.core.has_unfinished() and not self.lifecycle.is_stopped:
+            if self.lockstep is not None:
+                if self.waves.running and not self.lifecycle.is_stopped:
+                    self._lockstep_step()
+                    self._report_kv_events()
+            elif self.core.has_unfinished() and not self.lifecycle.is_stopped:
                 self._step()
                 self._report_kv_events()
             load = self._load()
@@ -151,9 +204,44 @@ class EngineService:
             if now >= next_parent_check:
                 next_parent_check = now + PARENT_CHECK_INTERVAL_S
                 self._watch(now)
-            self.lifecycle.end_drain_if_done(self.core.has_unfinished())
+            self.lifecycle.end_drain_if_done(self._has_work())
         self._abort_all("engine shutting down")
         self.frontends.flush(self._load())
+
+    def _has_work(self) -> bool:
+        """Requests to step, or (lock-step) a wave to step in: the other ranks' collectives wait for this one."""
+        return self.core.has_unfinished() or (self.lockstep is not None and self.waves.running)
+
+    def _lockstep_step(self) -> None:
+        """One lock-step step (lockstep.py). A failure leaves the ranks' collectives out of step for good: the
+        rank fails its requests and exits (replacing a rank of an expert-parallel group is not supported yet)."""
+        assert self.lockstep is not None
+        try:
+            outputs, completed = self.lockstep.step()
+        except Exception as e:  # noqa: BLE001
+            log.exception("lock-step step failed")
+            reason = (f"engine rank {self.rank}: a lock-step step failed ({type(e).__name__}: {e}); the "
+                      "expert-parallel group cannot go on (replacing a rank is not supported yet): exiting")
+            for output in self.core.abort(self.frontends.request_ids()):
+                output.finish_reason = FinishReason.ERROR
+                output.error = reason
+                self.frontends.collect([output])
+            self.lifecycle.stop(drain=False, exit_code=1, is_error=True, reason=reason)
+            return
+        self.frontends.collect(outputs)
+        if completed is not None:
+            self._on_wave_complete(completed)
+
+    def _on_wave_complete(self, completed: int) -> None:
+        """Every rank paused after this step; rank 0 tells the coordinator."""
+        if self.settings.hold_first_pause_s > 0 and not self._has_held_pause:
+            self._has_held_pause = True
+            self.frontends.flush(self._load())
+            self.coordinator.send(EngineStats(self._load()))  # the new wave shows in /metrics before the hold
+            held_s = hold(self.frontends.frontend_socket.poll, self.settings.hold_first_pause_s)
+            log.info("test hook: held the pause after wave %d for %.2f s", completed, held_s)
+        if self.rank == 0:
+            self.coordinator.send(WaveComplete(completed))
 
     def _report_kv_events(self) -> None:
         stored, removed = self.core.take_kv_events()
@@ -234,12 +322,14 @@ class EngineService:
                     log.info("frontend %s is gone: aborting its %d requests", msg.frontend_id, len(mine))
                     self.core.abort(mine)
             elif isinstance(msg, StartWave):
-                self.waves.on_start_wave(msg)
+                self.waves.on_start_wave(msg)  # lock-step: a stale or excluding one is ignored
             elif isinstance(msg, Topology):
                 self.threads.on_topology(msg, self.rank)
             elif isinstance(msg, LoadSnapshot):
                 self.threads.on_loads(msg.loads)
-                if msg.wave > self.waves.wave:  # the coordinator declared our wave complete
+                if self.lockstep is not None:
+                    self.waves.on_snapshot(msg.wave, msg.engines_running)  # a lost StartWave (waves.py (h))
+                elif msg.wave > self.waves.wave:  # the coordinator declared our wave complete
                     self.waves.on_wave_complete(msg.wave - 1)
                     if self.core.has_unfinished():
                         self.waves.running = True
@@ -275,6 +365,9 @@ class EngineService:
         load.rank = self.rank
         load.wave = self.waves.wave
         load.is_running = self.waves.running
+        if self.lockstep is not None:
+            load.num_dummy_steps = self.lockstep.num_dummy_steps
+            load.collective_time_s = self.lockstep.collective_time_s
         return load
 
     def _parent_died(self) -> bool:
@@ -339,6 +432,12 @@ def run(argv: list[str] | None = None) -> int:
         core.model_info.max_model_len,
         core.kv_blocks_total,
     )
+    if settings.enable_expert_parallel and not core.supports_expert_parallel:
+        log.error("--enable-expert-parallel needs a mixture-of-experts model (or --null-engine); %s is dense",
+                  core.model_info.name)  # fmt: skip
+        return 2
+    if settings.enable_expert_parallel:
+        import dpserve_engine.expert_parallel  # noqa: F401 - torch takes seconds to import: not after registering
     service = EngineService(settings, core)
     signal.signal(signal.SIGTERM, service.on_signal)
     signal.signal(signal.SIGINT, service.on_signal)

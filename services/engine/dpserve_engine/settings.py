@@ -10,7 +10,9 @@ reads. This module is the only reader of `DPSERVE_*` environment variables in th
 - `DPSERVE_ENFORCE_EAGER`: any value but "" or "0" makes eager PyTorch the default (the test suite sets it);
 - `DPSERVE_DEPLOYMENT_ID`: the default of --deployment-id (read through `dpserve_shared.envelope`);
 - `DPSERVE_CLUSTER_KEY`: the deployment's cluster key, unless --cluster-key-file or --insecure-zmq (read through
-  `dpserve_shared.zmq_security`; the coordinator puts it in the environment of the engines it starts).
+  `dpserve_shared.zmq_security`; the coordinator puts it in the environment of the engines it starts);
+- `DPSERVE_TEST_HOLD_PAUSE_S`: a test hook for the lock-step race "a request arrives exactly as a wave completes"
+  (ServiceSettings.hold_first_pause_s; lockstep.py): never set in production.
 
 It is also the one place that writes the process environment: `export_inductor_cache_dir`, called by
 EngineCore before anything touches inductor, so the service, `dpserve bench engine` and in-process users of
@@ -32,6 +34,15 @@ from dpserve_engine.model_files import DEFAULT_MODEL, is_gguf, parse_upcycled
 
 CACHE_DIR_ENV = "DPSERVE_CACHE_DIR"
 ENFORCE_EAGER_ENV = "DPSERVE_ENFORCE_EAGER"
+HOLD_PAUSE_ENV = "DPSERVE_TEST_HOLD_PAUSE_S"
+
+
+def _hold_pause_from_env() -> float:
+    value = os.environ.get(HOLD_PAUSE_ENV, "")
+    try:
+        return float(value) if value else 0.0
+    except ValueError:
+        raise ValueError(f"${HOLD_PAUSE_ENV} must be a number of seconds, got {value!r}") from None
 
 
 def _watch_pid_from_env() -> int | None:
@@ -86,6 +97,8 @@ class EngineConfig:
     # A request that waited this long in the queue without being scheduled is ended (ERROR, retry_reason
     # "queue_time": the frontend answers 503 + Retry-After); None: no limit. Continuations are exempt.
     max_queue_time_s: float | None = None
+    # MoE experts sharded over the DP ranks, which then step in lock-step waves (lockstep.py, expert_parallel.py)
+    enable_expert_parallel: bool = False
     null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
     null_step_time_s: float = 0.0
     null_prefill_time_per_token_s: float = 0.0  # the null engine's cost of one uncached prompt token
@@ -118,6 +131,11 @@ class ServiceSettings:
     # the engine outlives a coordinator that restarts); 0: none (a coordinator run by hand: the deployment's
     # silence for register_timeout_s ends it); None: the parent process (an EngineHost actor, a shell).
     watch_pid: int | None = None
+    enable_expert_parallel: bool = False  # lock-step waves in an expert-parallel group (lockstep.py)
+    # Test hook ($DPSERVE_TEST_HOLD_PAUSE_S): the first time the ranks pause, hold this long (or until a request is
+    # pending) after publishing the new wave and before telling the coordinator or reading any socket, so that a
+    # test can send a request exactly as the wave completes. 0: off.
+    hold_first_pause_s: float = 0.0
     # CURVE on every socket: its ROUTER a server, its links to the coordinator clients (zmq_security.py)
     zmq_security: ZmqSecurity = dataclasses.field(default_factory=ZmqSecurity.from_environment, repr=False)
 
@@ -180,6 +198,8 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         drain_timeout_s=args.drain_timeout_s,
         deployment_id=args.deployment_id,
         watch_pid=_watch_pid_from_env(),
+        enable_expert_parallel=args.enable_expert_parallel,
+        hold_first_pause_s=_hold_pause_from_env(),
         zmq_security=security_from_args(args, "dpserve-engine"),
         adaptive_threads=args.num_threads is None and not args.null_engine and args.device in (None, "cpu"),
     )

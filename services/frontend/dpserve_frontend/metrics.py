@@ -63,6 +63,14 @@ class _SnapshotCollector:
                                    "decode) since its engine started.", labels=labels)
         compiled = GaugeMetricFamily("dpserve:engine_decode_compiled", "1 once the rank's decode steps run its "
                                      "compiled graph (prepared in the background after start-up).", labels=labels)
+        rank_wave = GaugeMetricFamily("dpserve:engine_wave", "The rank's current wave (lock-step: it moves only when "
+                                      "every rank pauses together).", labels=labels)
+        dummy_steps = CounterMetricFamily("dpserve:engine_dummy_steps", "Steps the rank ran without requests of its "
+                                          "own so that the collectives of the busy ranks match (expert parallel "
+                                          "only; stops while the ranks are paused).", labels=labels)
+        collective_s = CounterMetricFamily("dpserve:engine_collective_seconds", "Seconds the rank spent in the "
+                                           "expert-parallel group's collectives (waiting for the other ranks "
+                                           "included).", labels=labels)
         wave = GaugeMetricFamily("dpserve:coordinator_wave", "The coordinator's current wave.")
         is_running = GaugeMetricFamily("dpserve:engines_running", "1 while the engines are in a wave.")
         # One series per rank and state, 1 for the rank's current state: a rank that is gone (DEAD, STARTING
@@ -114,10 +122,14 @@ class _SnapshotCollector:
                 preemptions.add_metric(values, load.num_preemptions)
                 compiled.add_metric(values, 1.0 if load.decode_compiled else 0.0)
                 busy.add_metric(values, load.busy_s)
+                rank_wave.add_metric(values, load.wave)
+                dummy_steps.add_metric(values, load.num_dummy_steps)
+                collective_s.add_metric(values, load.collective_time_s)
             wave.add_metric([], snapshot.wave)
             is_running.add_metric([], 1.0 if snapshot.engines_running else 0.0)
-        return [running, waiting, kv, queries, hits, preemptions, busy, index_blocks, index_resyncs, compiled, wave, is_running, states, target,
-                healthy, failed, restarts, deaths]
+        return [running, waiting, kv, queries, hits, preemptions, busy, index_blocks, index_resyncs, compiled,
+                rank_wave, dummy_steps, collective_s, wave, is_running, states, target, healthy, failed, restarts,
+                deaths]
 
 
 def observe_many(histogram, values: list[float]) -> None:
