@@ -127,6 +127,8 @@ def _parent_pid(pid: int) -> int:
 class Deployment:
     """`dpserve serve` started for the benchmark (stopped at the end), or one given by --base-url."""
 
+    log_prefix = "chaos"  # the started deployment's log: <log_dir>/<log_prefix>-serve-<port>.log
+
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.proc: subprocess.Popen | None = None
@@ -142,7 +144,7 @@ class Deployment:
                "--data-parallel-size", str(self.args.data_parallel_size),
                "--data-parallel-backend", self.args.backend, "--data-parallel-rpc-port", str(self.rpc_port),
                *self.args.serve_args]  # fmt: skip
-        self.log_path = os.path.join(self.args.log_dir, f"chaos-serve-{port}.log")
+        self.log_path = os.path.join(self.args.log_dir, f"{self.log_prefix}-serve-{port}.log")
         _log(f"starting: dpserve {' '.join(cmd[1:])} (log {self.log_path})")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
