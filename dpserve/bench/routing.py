@@ -55,6 +55,7 @@ POLICIES = ("cache-aware", "least-loaded", "round-robin")
 TARGETS = {"imbalance_max": 1.1, "hit_vs_oracle_min": 0.9, "snapshot_age_p99_ms_max": 200.0,
            "coordinator_cpu_pct_max": 10.0}  # fmt: skip
 SESSION_HEADER = "X-Session-Id"
+STABLE_S = 3.0  # every rank and API server up this long before the load (64 starting processes load the CPU)
 SETTLE_TIMEOUT_S = 15.0  # the engines' counters reach the API servers with the load snapshots (every 0.1-1 s)
 
 
@@ -142,9 +143,12 @@ def machine_cpu_s() -> tuple[float, float]:
     return (sum(fields) - idle) / ticks, sum(fields) / ticks
 
 
-def coordinator_published(status_url: str) -> dict:
-    """What the coordinator published since it started (its /status.json), {} if it does not say."""
-    return _get_json(status_url + "/status.json")[1].get("coordinator", {}).get("published", {})
+def coordinator_status(status_url: str) -> tuple[dict, int]:
+    """What the coordinator published since it started ({} if its /status.json does not say), and how many times
+    its ranks went DEAD (a run with deaths measured restarts, not routing)."""
+    status = _get_json(status_url + "/status.json")[1]
+    deaths = sum(sum(rank.get("deaths", {}).values()) for rank in status.get("ranks", []))
+    return status.get("coordinator", {}).get("published", {}), deaths
 
 
 # -- the deployment -------------------------------------------------------------------------------------------------
@@ -152,7 +156,7 @@ def coordinator_published(status_url: str) -> dict:
 
 class RoutingDeployment(Deployment):
     """`dpserve serve --null-engine` with one policy and the coordinator's status page; ready when every rank
-    serves and every API server registered."""
+    has served and every API server has been registered for STABLE_S."""
 
     log_prefix = "routing"
 
@@ -174,11 +178,17 @@ class RoutingDeployment(Deployment):
     def start(self) -> None:
         super().start()
         deadline = time.monotonic() + self.args.startup_timeout_s
+        stable_since = None
         while True:
             health = _get_json(self.url + "/health")[1]
             status = _get_json(self.status_url + "/status.json")[1]
             if health.get("status") == "ok" and status.get("api_servers", {}).get("count") == self.api_server_count:
-                return
+                if stable_since is None:
+                    stable_since = time.monotonic()
+                if time.monotonic() - stable_since >= STABLE_S:
+                    return
+            else:
+                stable_since = None
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"not every rank and API server came up; see {self.log_path}")
             time.sleep(0.5)
@@ -211,12 +221,13 @@ async def drive(cfg: ClientConfig, conversations: list[Conversation], concurrenc
     async def client(session) -> None:
         for index, conversation in pending:
             headers = {SESSION_HEADER: conversation.conversation_id} if conversation.session else None
-            for turn, prompt in enumerate(conversation.prompts):
+            for turn in range(conversation.num_turns):
                 if time.perf_counter() >= end:
                     return
                 entry = Sent(len(sent), index, turn, RequestResult())
                 sent.append(entry)
-                entry.result = await send_request(session, cfg, list(prompt), len(prompt), headers)
+                prompt = conversation.prompt(turn)
+                entry.result = await send_request(session, cfg, prompt, len(prompt), headers)
                 bar.update(entry.result)
                 if not entry.result.success:
                     break  # the conversation cannot go on without its answer
@@ -253,7 +264,7 @@ def measure(args, deployment: RoutingDeployment, conversations: list[Conversatio
                        request_timeout_s=args.request_timeout_s)  # fmt: skip
     pid = coordinator_pid(deployment.rpc_port)
     before = read_counters(deployment.url)
-    published_before = coordinator_published(deployment.status_url)
+    published_before, deaths_before = coordinator_status(deployment.status_url)
     cpu_before = process_cpu_s(pid) if pid else None
     machine_before = machine_cpu_s()
     wall_before = time.monotonic()
@@ -262,7 +273,7 @@ def measure(args, deployment: RoutingDeployment, conversations: list[Conversatio
     wall_s = time.monotonic() - wall_before
     cpu_after = process_cpu_s(pid) if pid else None
     machine_after = machine_cpu_s()
-    published_after = coordinator_published(deployment.status_url)
+    published_after, deaths_after = coordinator_status(deployment.status_url)
     ok = [s for s in sent if s.result.success]
     prompt_tokens = sum(s.result.prompt_len for s in ok)
     after, settled = _settled_counters(deployment.url, before, prompt_tokens)
@@ -274,15 +285,16 @@ def measure(args, deployment: RoutingDeployment, conversations: list[Conversatio
     prefill = {r: queries.get(r, 0.0) - hits.get(r, 0.0) for r in ranks}
     tokens = [prefill[r] + decode.get(r, 0.0) for r in ranks]
     ordered = sorted(sent, key=lambda s: s.order)
-    oracle = oracle_cached_tokens((conversations[s.conversation].prompts[s.turn] for s in ordered), args.block_size)
-    oracle_prompt = sum(len(conversations[s.conversation].prompts[s.turn]) for s in ordered)
+    oracle = oracle_cached_tokens((conversations[s.conversation].prompt(s.turn) for s in ordered), args.block_size)
+    oracle_prompt = sum(len(conversations[s.conversation].prompt(s.turn)) for s in ordered)
     cached = sum(s.result.cached_tokens for s in ok)
     hit_rate = cached / prompt_tokens if prompt_tokens else 0.0
     oracle_rate = sum(oracle) / oracle_prompt if oracle_prompt else 0.0
     ages = _minus(after.snapshot_age_buckets, before.snapshot_age_buckets)
     p50, p99 = histogram_quantile(ages, 0.5), histogram_quantile(ages, 0.99)
     published = {k: published_after.get(k, 0) - published_before.get(k, 0) for k in ("messages", "bytes")}
-    by_type = {name: counts["bytes"] - published_before.get("by_type", {}).get(name, {}).get("bytes", 0)
+    by_type = {name: {key: counts[key] - published_before.get("by_type", {}).get(name, {}).get(key, 0)
+                      for key in ("messages", "bytes")}
                for name, counts in published_after.get("by_type", {}).items()}  # fmt: skip
     latency = compute_metrics([s.result for s in sent], duration_s)
     busy = (machine_after[0] - machine_before[0]) / (machine_after[1] - machine_before[1] or 1.0)
@@ -308,6 +320,7 @@ def measure(args, deployment: RoutingDeployment, conversations: list[Conversatio
                       "prefix_queries": queries.get(r, 0.0), "prefix_hits": hits.get(r, 0.0),
                       "requests": per_rank_requests.get(r, 0.0)} for r in ranks],  # fmt: skip
         "counters_settled": settled,
+        "rank_deaths": deaths_after - deaths_before,
         "snapshot_age_p50_ms": None if p50 is None else p50 * 1000.0,
         "snapshot_age_p99_ms": None if p99 is None else p99 * 1000.0,
         "snapshot_age_samples": ages.get(float("inf"), 0.0),
@@ -316,9 +329,11 @@ def measure(args, deployment: RoutingDeployment, conversations: list[Conversatio
         "coordinator_cpu_pct": None if pid is None else 100.0 * (cpu_after - cpu_before) / wall_s,
         "publish_bytes_per_s": published["bytes"] / wall_s,
         "publish_messages_per_s": published["messages"] / wall_s,
-        "publish_bytes_per_s_by_type": {name: b / wall_s for name, b in sorted(by_type.items())},
+        "publish_by_type": {name: {"bytes_per_s": c["bytes"] / wall_s, "messages_per_s": c["messages"] / wall_s}
+                            for name, c in sorted(by_type.items())},  # fmt: skip
         "machine_cores_busy": busy * (os.cpu_count() or 1),
         "load_wall_s": wall_s,
+        "serve_log": deployment.log_path,
     }
 
 
@@ -354,6 +369,9 @@ def format_table(results: list[dict]) -> str:
             f"{r['publish_bytes_per_s'] / 1000:>8.1f} {r['p50_ttft_ms']:>8.1f} {r['p99_ttft_ms']:>8.1f} "
             f"{r['machine_cores_busy']:>5.2f}"
         )
+        if r["rank_deaths"]:
+            lines.append(f"  {r['policy']}: {r['rank_deaths']} rank deaths during the load (see the log): its "
+                         "figures include restarts")  # fmt: skip
     lines.append(f"targets: imbalance <= {TARGETS['imbalance_max']}, hit/oracle >= {TARGETS['hit_vs_oracle_min']}, "
                  f"snapshot age p99 <= {TARGETS['snapshot_age_p99_ms_max']:.0f} ms, coordinator <= "
                  f"{TARGETS['coordinator_cpu_pct_max']:.0f} % of one core (imbal: prefill+decode tokens, max/mean "
@@ -407,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     load = parser.add_argument_group("the load (the same for every policy)")
     load.add_argument("--concurrency", type=int, default=128, help="closed-loop clients")
     load.add_argument("--duration-s", type=float, default=60.0, help="no request is sent after this, per policy")
-    load.add_argument("--num-conversations", type=int, default=1500, help="at most this many conversations")
+    load.add_argument("--num-conversations", type=int, default=6000, help="at most this many conversations")
     load.add_argument("--num-system-prompts", type=int, default=300)
     load.add_argument("--zipf-s", type=float, default=1.1, help="system prompt of popularity rank r: weight 1/r**s")
     load.add_argument("--system-prompt-tokens", type=_range, default=(256, 1024), help="LO,HI")
@@ -442,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--policies: expected some of {', '.join(POLICIES)}, got {args.policies!r}")
     config = _workload_config(args)
     conversations = build_workload(config)
-    longest = max(len(p) for c in conversations for p in c.prompts) + args.max_tokens
+    longest = max(len(c.prompt(c.num_turns - 1)) for c in conversations) + args.max_tokens
     if longest > args.max_model_len:
         raise SystemExit(f"the longest prompt + answer is {longest} tokens, over --max-model-len {args.max_model_len}: "
                          "raise it or shorten the workload (--max-turns, --system-prompt-tokens, --user-tokens)")

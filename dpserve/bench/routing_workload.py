@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+from array import array
 from collections.abc import Iterable, Sequence
 
 from dpserve_shared.block_hash import block_hashes
@@ -53,21 +54,35 @@ class WorkloadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
-    """One session's turns (or one no-reuse request): each turn's prompt, as token ids."""
+    """One session's turns (or one no-reuse request). Turn k's prompt is the concatenation of the first k+1
+    `segments` (the system prompt, the first user text, then answer + user text per turn): built when asked for,
+    so that a long workload holds each token once."""
 
     conversation_id: str
     session: bool  # sent with X-Session-Id
     system_prompt: int | None  # its index, None for a no-reuse request
-    prompts: tuple[tuple[int, ...], ...]
+    segments: tuple[array, ...]  # of token ids (array("l"): a long workload's tokens take 8 bytes each)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.segments) - 1 if self.system_prompt is not None else 1
+
+    def prompt(self, turn: int) -> list[int]:
+        end = turn + 2 if self.system_prompt is not None else 1
+        return [token for segment in self.segments[:end] for token in segment]
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt(turn) for turn in range(self.num_turns)]
 
 
-def _tokens(rng: random.Random, bounds: tuple[int, int]) -> list[int]:
+def _tokens(rng: random.Random, bounds: tuple[int, int]) -> array:
     lo, hi = TOKEN_ID_RANGE
-    return [rng.randrange(lo, hi) for _ in range(rng.randint(*bounds))]
+    return array("l", [rng.randrange(lo, hi) for _ in range(rng.randint(*bounds))])
 
 
-def answer_tokens(max_tokens: int) -> list[int]:
-    return [ANSWER_CYCLE[i % len(ANSWER_CYCLE)] for i in range(max_tokens)]
+def answer_tokens(max_tokens: int) -> array:
+    return array("l", [ANSWER_CYCLE[i % len(ANSWER_CYCLE)] for i in range(max_tokens)])
 
 
 def zipf_weights(n: int, s: float) -> list[float]:
@@ -77,7 +92,7 @@ def zipf_weights(n: int, s: float) -> list[float]:
 def build_workload(config: WorkloadConfig) -> list[Conversation]:
     """The conversations, in the order clients take them; a function of `config` alone."""
     rng = random.Random(config.seed)
-    system_prompts = [tuple(_tokens(rng, config.system_prompt_tokens)) for _ in range(config.num_system_prompts)]
+    system_prompts = [_tokens(rng, config.system_prompt_tokens) for _ in range(config.num_system_prompts)]
     popularity = list(range(config.num_system_prompts))
     rng.shuffle(popularity)  # which prompt is the most popular: not the first one drawn
     weights = zipf_weights(config.num_system_prompts, config.zipf_s)
@@ -85,20 +100,18 @@ def build_workload(config: WorkloadConfig) -> list[Conversation]:
     conversations = []
     for i in range(config.num_conversations):
         if rng.random() < config.no_reuse_share:
-            conversations.append(Conversation(f"c{i}", False, None, (tuple(_tokens(rng, config.no_reuse_tokens)),)))
+            conversations.append(Conversation(f"c{i}", False, None, (_tokens(rng, config.no_reuse_tokens),)))
             continue
         system = popularity[rng.choices(range(config.num_system_prompts), weights)[0]]
-        prompt = list(system_prompts[system]) + _tokens(rng, config.user_tokens)
-        turns = [tuple(prompt)]
+        segments = [system_prompts[system], _tokens(rng, config.user_tokens)]
         for _ in range(rng.randint(1, config.max_turns) - 1):
-            prompt = prompt + answer + _tokens(rng, config.user_tokens)
-            turns.append(tuple(prompt))
-        conversations.append(Conversation(f"c{i}", True, system, tuple(turns)))
+            segments.append(answer + _tokens(rng, config.user_tokens))
+        conversations.append(Conversation(f"c{i}", True, system, tuple(segments)))
     return conversations
 
 
 def num_requests(conversations: Iterable[Conversation]) -> int:
-    return sum(len(c.prompts) for c in conversations)
+    return sum(c.num_turns for c in conversations)
 
 
 def oracle_cached_tokens(prompts: Iterable[Sequence[int]], block_size: int) -> list[int]:

@@ -34,18 +34,18 @@ def test_each_turn_extends_the_previous_prompt_with_the_answer_and_new_text():
     assert multi and all(1 <= len(c.prompts) <= SMALL.max_turns for c in sessions)
     for c in multi:
         for before, after in zip(c.prompts, c.prompts[1:]):
-            assert after[: len(before) + len(answer)] == before + tuple(answer)
+            assert after[: len(before) + len(answer)] == before + list(answer)
             assert 5 <= len(after) - len(before) - len(answer) <= 20
     by_system: dict[int, set] = {}
     for c in sessions:
-        by_system.setdefault(c.system_prompt, set()).add(c.prompts[0][:40])  # the system prompt's first 40 tokens
+        by_system.setdefault(c.system_prompt, set()).add(tuple(c.prompt(0)[:40]))  # the system prompt's first 40 tokens
     assert all(len(starts) == 1 for starts in by_system.values())  # one system prompt per index
 
 
 def test_no_reuse_share_and_zipf_popularity():
     conversations = build_workload(dataclasses.replace(SMALL, num_conversations=2000))
     no_reuse = [c for c in conversations if not c.session]
-    assert all(c.system_prompt is None and len(c.prompts) == 1 for c in no_reuse)
+    assert all(c.system_prompt is None and c.num_turns == 1 and len(c.prompts) == 1 for c in no_reuse)
     assert 0.15 < len(no_reuse) / len(conversations) < 0.25
     counts: dict[int, int] = {}
     for c in conversations:
