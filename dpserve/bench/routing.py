@@ -26,7 +26,9 @@ Targets (the issue's): imbalance <= 1.1, hit rate >= 0.9 x oracle, snapshot age 
 
   routing: <policy> imbalance=X hit/oracle=Y age_p99_ms=Z coordinator_cpu_pct=W publish_kB_s=V | <policy> ...
 
---output-json keeps every figure, per rank too.
+--output-json keeps every figure, per rank too. --warm-ranks sends one request pinned to each rank first, so that
+every rank has measured its prefill and decode rates before the load (the cost function prices a rank that has
+not at its defaults).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dpserve.bench.chaos import Deployment, _free_port, _get_json, coordinator_p
 from dpserve.bench.client import ClientConfig, send_request
 from dpserve.bench.metrics import RequestResult, compute_metrics
 from dpserve.bench.routing_workload import (
+    TOKEN_ID_RANGE,
     Conversation,
     WorkloadConfig,
     build_workload,
@@ -55,6 +58,7 @@ POLICIES = ("cache-aware", "least-loaded", "round-robin")
 TARGETS = {"imbalance_max": 1.1, "hit_vs_oracle_min": 0.9, "snapshot_age_p99_ms_max": 200.0,
            "coordinator_cpu_pct_max": 10.0}  # fmt: skip
 SESSION_HEADER = "X-Session-Id"
+PINNED_HEADER = "X-data-parallel-rank"
 STABLE_S = 3.0  # every rank and API server up this long before the load (64 starting processes load the CPU)
 SETTLE_TIMEOUT_S = 15.0  # the engines' counters reach the API servers with the load snapshots (every 0.1-1 s)
 
@@ -240,6 +244,22 @@ async def drive(cfg: ClientConfig, conversations: list[Conversation], concurrenc
     return sent, duration
 
 
+async def warm_ranks(cfg: ClientConfig, num_ranks: int, seed: int) -> list[RequestResult]:
+    """One request pinned to each rank (X-data-parallel-rank), with a prompt of its own: every rank has measured
+    its prefill and decode rates before the load (a rank that has not is priced at the cost function's defaults)."""
+    import random
+
+    import aiohttp
+
+    rng = random.Random(seed ^ 0x5EED)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        return await asyncio.gather(*(
+            send_request(session, cfg, [rng.randrange(*TOKEN_ID_RANGE) for _ in range(512)], 512,
+                         {PINNED_HEADER: str(rank)})
+            for rank in range(num_ranks)
+        ))  # fmt: skip
+
+
 # -- one policy -----------------------------------------------------------------------------------------------------
 
 
@@ -263,6 +283,11 @@ def measure(args, deployment: RoutingDeployment, conversations: list[Conversatio
     cfg = ClientConfig(base_url=deployment.url, endpoint="completions", model=model, output_len=args.max_tokens,
                        request_timeout_s=args.request_timeout_s)  # fmt: skip
     pid = coordinator_pid(deployment.rpc_port)
+    if args.warm_ranks:
+        failed = [r.error for r in asyncio.run(warm_ranks(cfg, args.data_parallel_size, args.seed)) if not r.success]
+        if failed:
+            raise RuntimeError(f"{len(failed)} warm-up requests failed: {failed[0]}")
+        time.sleep(STABLE_S)  # their measured rates reach every API server with the next snapshots
     before = read_counters(deployment.url)
     published_before, deaths_before = coordinator_status(deployment.status_url)
     cpu_before = process_cpu_s(pid) if pid else None
@@ -437,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-tokens", type=int, default=16, help="each answer's tokens (ignore_eos)")
     load.add_argument("--request-timeout-s", type=float, default=300.0)
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--warm-ranks", action="store_true", help="before the load, one request pinned to each rank "
+                      "(its own prompt), so that every rank has measured its rates (not counted in the figures)")
     load.add_argument("--no-progress", dest="progress", action="store_false")
     parser.add_argument("--output-json", default=None, help="every figure, per policy and per rank")
     return parser
