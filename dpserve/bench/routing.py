@@ -439,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     deployment.add_argument("--backend", choices=["mp", "ray"], default="mp")
     deployment.add_argument("--data-parallel-rpc-port", type=int, default=None, help="the coordinator's control "
                             "port (default: a free one per policy)")
-    deployment.add_argument("--null-step-time-ms", type=float, default=20.0, help="the null engines' step time")
+    deployment.add_argument("--null-step-time-ms", type=float, default=50.0, help="the null engines' step time")
     deployment.add_argument("--null-prefill-time-per-token-s", type=float, default=0.0001,
                             help="the null engines' cost of one uncached prompt token")
     deployment.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the oracle's too)")
@@ -448,8 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     deployment.add_argument("--startup-timeout-s", type=float, default=600.0)
     deployment.add_argument("--log-dir", default="/tmp", help="each deployment's log goes here")
     load = parser.add_argument_group("the load (the same for every policy)")
-    load.add_argument("--concurrency", type=int, default=128, help="closed-loop clients")
-    load.add_argument("--duration-s", type=float, default=60.0, help="no request is sent after this, per policy")
+    load.add_argument("--concurrency", type=int, default=96, help="closed-loop clients")
+    load.add_argument("--duration-s", type=float, default=45.0, help="no request is sent after this, per policy")
     load.add_argument("--num-conversations", type=int, default=6000, help="at most this many conversations")
     load.add_argument("--num-system-prompts", type=int, default=300)
     load.add_argument("--zipf-s", type=float, default=1.1, help="system prompt of popularity rank r: weight 1/r**s")
