@@ -145,7 +145,7 @@ class Deployment:
                "--data-parallel-backend", self.args.backend, "--data-parallel-rpc-port", str(self.rpc_port),
                *self.args.serve_args]  # fmt: skip
         self.log_path = os.path.join(self.args.log_dir, f"{self.log_prefix}-serve-{port}.log")
-        _log(f"starting: dpserve {' '.join(cmd[1:])} (log {self.log_path})")
+        _log(f"starting: dpserve {' '.join(cmd[1:])} (log {self.log_path})", self.log_prefix)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)  # fmt: skip
@@ -154,7 +154,7 @@ class Deployment:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the deployment did not come up; see {self.log_path}")
             time.sleep(0.5)
-        _log(f"serving at {self.url}")
+        _log(f"serving at {self.url}", self.log_prefix)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -336,8 +336,8 @@ async def _follow(deployment: Deployment, fault: Fault, started: float, give_up:
 # -- the command ----------------------------------------------------------------------------------------------------
 
 
-def _log(message: str) -> None:
-    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+def _log(message: str, source: str = "chaos") -> None:
+    print(f"[{source} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,6 +42,7 @@ import time
 import urllib.request
 
 from dpserve.bench.chaos import Deployment, _free_port, _get_json, coordinator_pid
+from dpserve.bench.chaos import _log as log
 from dpserve.bench.client import ClientConfig, send_request
 from dpserve.bench.metrics import RequestResult, compute_metrics
 from dpserve.bench.routing_workload import (
@@ -416,9 +417,7 @@ def summary_line(results: list[dict]) -> str:
 
 
 def _log(message: str) -> None:
-    import sys
-
-    print(f"[routing {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    log(message, "routing")
 
 
 def _range(text: str) -> tuple[int, int]:
