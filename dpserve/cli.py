@@ -3,8 +3,8 @@
 - `dpserve serve`: the coordinator, the engine ranks and the API servers of one deployment (serve.py);
 - `dpserve scale --data-parallel-size K`: add or remove engine ranks of a running deployment (scale.py);
 - `dpserve status`: the status page in the terminal (status.py);
-- `dpserve bench serve|engine`: benchmarks (the `bench` package, its command line in bench/serve.py; the engine's
-  own `dpserve_engine.bench`).
+- `dpserve bench serve|engine|chaos|routing`: benchmarks (the `bench` package: bench/serve.py, bench/chaos.py,
+  bench/routing.py; the engine's own `dpserve_engine.bench`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_status_flags(status_parser)
     bench = commands.add_parser("bench", help="benchmarks: `bench serve` (any OpenAI URL), `bench engine` "
-                                "(EngineCore), `bench chaos` (rank faults under load)")
-    bench.add_argument("kind", choices=["serve", "engine", "chaos"],
-                       help="serve: HTTP load test; engine: engine efficiency; chaos: ranks killed under load")
+                                "(EngineCore), `bench chaos` (rank faults under load), `bench routing` (routing "
+                                "policies on many null-engine ranks)")
+    bench.add_argument("kind", choices=["serve", "engine", "chaos", "routing"],
+                       help="serve: HTTP load test; engine: engine efficiency; chaos: ranks killed under load; "
+                       "routing: imbalance, prefix hit rate vs an oracle, snapshot age, coordinator cost")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags (see its --help)")
     return parser
 
@@ -70,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             from dpserve.bench.chaos import main as bench_chaos_main
 
             return bench_chaos_main(args.bench_args)
+        if args.kind == "routing":
+            from dpserve.bench.routing import main as bench_routing_main
+
+            return bench_routing_main(args.bench_args)
         from dpserve_engine import bench as engine_bench  # imports torch: only for this command
 
         return engine_bench.main(args.bench_args) or 0

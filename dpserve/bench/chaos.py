@@ -127,6 +127,8 @@ def _parent_pid(pid: int) -> int:
 class Deployment:
     """`dpserve serve` started for the benchmark (stopped at the end), or one given by --base-url."""
 
+    log_prefix = "chaos"  # the started deployment's log: <log_dir>/<log_prefix>-serve-<port>.log
+
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.proc: subprocess.Popen | None = None
@@ -142,8 +144,8 @@ class Deployment:
                "--data-parallel-size", str(self.args.data_parallel_size),
                "--data-parallel-backend", self.args.backend, "--data-parallel-rpc-port", str(self.rpc_port),
                *self.args.serve_args]  # fmt: skip
-        self.log_path = os.path.join(self.args.log_dir, f"chaos-serve-{port}.log")
-        _log(f"starting: dpserve {' '.join(cmd[1:])} (log {self.log_path})")
+        self.log_path = os.path.join(self.args.log_dir, f"{self.log_prefix}-serve-{port}.log")
+        _log(f"starting: dpserve {' '.join(cmd[1:])} (log {self.log_path})", self.log_prefix)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)  # fmt: skip
@@ -152,7 +154,7 @@ class Deployment:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the deployment did not come up; see {self.log_path}")
             time.sleep(0.5)
-        _log(f"serving at {self.url}")
+        _log(f"serving at {self.url}", self.log_prefix)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -334,8 +336,8 @@ async def _follow(deployment: Deployment, fault: Fault, started: float, give_up:
 # -- the command ----------------------------------------------------------------------------------------------------
 
 
-def _log(message: str) -> None:
-    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+def _log(message: str, source: str = "chaos") -> None:
+    print(f"[{source} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -90,6 +90,7 @@ class StreamState:
         if self.usage and self.usage.get("completion_tokens") is not None:
             r.output_tokens = int(self.usage["completion_tokens"])
             r.prompt_len = int(self.usage.get("prompt_tokens") or prompt_len)
+            r.cached_tokens = int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             r.usage_reported = True
         else:
             r.output_tokens = self.fallback_tokens if self.fallback_tokens is not None else self.num_content_chunks
@@ -123,7 +124,7 @@ class ClientConfig:
         return headers
 
 
-def build_payload(cfg: ClientConfig, prompt: str) -> dict:
+def build_payload(cfg: ClientConfig, prompt: str | list[int]) -> dict:
     payload: dict = {
         "model": cfg.model,
         "max_tokens": cfg.output_len,
@@ -141,13 +142,16 @@ def build_payload(cfg: ClientConfig, prompt: str) -> dict:
     return payload
 
 
-async def send_request(session, cfg: ClientConfig, prompt: str, prompt_len: int) -> RequestResult:
-    """One streamed request. A connection that fails before any response (a kept-alive socket the server had
+async def send_request(session, cfg: ClientConfig, prompt: str | list[int], prompt_len: int,
+                       headers: dict | None = None) -> RequestResult:  # fmt: skip
+    """One streamed request (`prompt`: text, or token ids on the completions endpoint; `headers`: more HTTP
+    headers, e.g. X-Session-Id). A connection that fails before any response (a kept-alive socket the server had
     closed, e.g. llama-server's 5 s keep-alive) is retried once on a fresh one, with the clock restarted; the
     retry is counted in `connection_retries`. `--no-keepalive` avoids them: one connection per request."""
     import aiohttp
 
     payload = orjson.dumps(build_payload(cfg, prompt))
+    all_headers = {**cfg.headers(), **(headers or {})}
     retries = 0
     while True:
         start = time.perf_counter()
@@ -157,7 +161,7 @@ async def send_request(session, cfg: ClientConfig, prompt: str, prompt_len: int)
             async with session.post(
                 cfg.url,
                 data=payload,
-                headers=cfg.headers(),
+                headers=all_headers,
                 timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s),
             ) as resp:
                 got_response = True

@@ -30,6 +30,7 @@ class RequestResult:
     error: str = ""
     prompt_len: int = 0  # prompt tokens: from the usage chunk when there is one, else the synthetic length
     output_tokens: int = 0  # from the usage chunk when there is one, else the number of content chunks
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (usage's prompt_tokens_details)
     usage_reported: bool = False
     ttft: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)

@@ -9,7 +9,9 @@ interval) and keeps a rolling history for the page's charts.
 Document (version 1):
 
     {"version": 1, "time": <epoch s>, "source": "api-server <id>" | "coordinator",
-     "coordinator": {"reachable": bool, "last_heard_s": <s since its last broadcast> | null},
+     "coordinator": {"reachable": bool, "last_heard_s": <s since its last broadcast> | null,
+                     "published": {"messages", "bytes", "by_type": {name: {"messages", "bytes"}}}},  # the
+                                                                  # coordinator's own page only: since its start
      "model": <served name> | null, "data_parallel_size": <target>,
      "wave": {"number": int, "engines_running": bool},
      "scaling": {"in_progress": bool, "target": int, "ready": int, "starting": [rank], "draining": [rank]},
@@ -53,6 +55,7 @@ class StatusInputs:
     engines_running: bool = False
     frontends: list[FrontendStats] = dataclasses.field(default_factory=list)
     coordinator_last_heard_s: float | None = 0.0  # seconds since its last broadcast (0 in the coordinator)
+    coordinator_published: dict | None = None  # what it published (the coordinator's own page only)
 
 
 @dataclasses.dataclass
@@ -153,6 +156,7 @@ class StatusTracker:
             "coordinator": {
                 "reachable": heard is not None and heard <= COORDINATOR_SILENT_S,
                 "last_heard_s": None if heard is None else round(heard, 2),
+                **({"published": inputs.coordinator_published} if inputs.coordinator_published is not None else {}),
             },
             "model": topology.model.name if topology is not None and topology.model is not None else None,
             "data_parallel_size": target,

@@ -104,6 +104,9 @@ def test_states_scaling_failed_and_coordinator_reachability():
     assert not tracker.status()["coordinator"]["reachable"]
     feed.inputs.coordinator_last_heard_s = None  # never heard
     assert tracker.status()["coordinator"] == {"reachable": False, "last_heard_s": None}
+    published = {"messages": 3, "bytes": 120, "by_type": {"LoadSnapshot": {"messages": 3, "bytes": 120}}}
+    feed.inputs.coordinator_published = published  # the coordinator's own page says what it published
+    assert tracker.status()["coordinator"]["published"] == published
 
 
 def test_history_keeps_the_last_window_only():

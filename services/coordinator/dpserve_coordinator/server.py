@@ -10,7 +10,9 @@ Publishing (PUB): KvDelta (the prefix-cache index's changes, kv_index.py) every 
 every change and every 2 s; LoadSnapshot at most every 100 ms when some engine's
 load or the wave state changed and every 1 s otherwise (a heartbeat for frontends); FrontendGone when a frontend
 unregisters or is silent for 5 s; StartWave when a frontend or engine asks for one (dpserve_shared.waves: for
-dense models the wave is bookkeeping, it completes when every rank's load says it stopped stepping).
+dense models the wave is bookkeeping, it completes when every rank's load says it stopped stepping). What is
+published is counted (`PublishCounts`: messages and bytes, by message type; one copy, before ZMQ's fan-out to
+every subscriber) and shown in the coordinator's own /status.json (`--status-port`), for `dpserve bench routing`.
 
 Expert parallelism (--enable-expert-parallel): once every rank of the start-up has registered, each engine gets
 ExpertGroup on the control socket (rank 0's node address, a port picked here, the world size, its rank) and the
@@ -109,6 +111,27 @@ def _is_local(host: str) -> bool:
         return False
 
 
+class PublishCounts:
+    """Messages and bytes this coordinator published since it started, in total and by message type."""
+
+    def __init__(self):
+        self.num_messages = 0
+        self.num_bytes = 0
+        self.by_type: dict[str, list[int]] = {}  # type name -> [messages, bytes]
+
+    def add(self, msg, parts: list[bytes]) -> None:
+        size = sum(len(p) for p in parts)
+        self.num_messages += 1
+        self.num_bytes += size
+        counts = self.by_type.setdefault(type(msg).__name__, [0, 0])
+        counts[0] += 1
+        counts[1] += size
+
+    def as_dict(self) -> dict:
+        return {"messages": self.num_messages, "bytes": self.num_bytes,
+                "by_type": {name: {"messages": m, "bytes": b} for name, (m, b) in sorted(self.by_type.items())}}
+
+
 class CoordinatorState(enum.Enum):
     STARTING = "starting"  # sockets bound, ranks being started; scale requests refused
     SERVING = "serving"  # every rank of the start-up registered; scale requests taken
@@ -135,6 +158,7 @@ class Coordinator:
         self.control = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub_addr = ""
+        self.published = PublishCounts()
         self.guard = DeploymentGuard(settings.deployment_id, log, "control socket")
         self._decoder = coordinator_decoder()
         self._stop_requested = asyncio.Event()
@@ -474,8 +498,10 @@ class Coordinator:
     # -- broadcast ----------------------------------------------------------------------------------------------
 
     def _publish(self, msg) -> None:
+        parts = frames(self.settings.deployment_id, msg)
         try:
-            self.pub.send_multipart(frames(self.settings.deployment_id, msg), flags=zmq.NOBLOCK)
+            self.pub.send_multipart(parts, flags=zmq.NOBLOCK)
+            self.published.add(msg, parts)
         except zmq.Again:
             log.warning("broadcast queue full; dropped %s", type(msg).__name__)
 

@@ -1,5 +1,6 @@
 """The coordinator's own status page (`--status-port`): the same routes and document as every API server's
-(dpserve_shared.status_http), built straight from the registry, so it works with no API server at all."""
+(dpserve_shared.status_http), built straight from the registry, so it works with no API server at all. Its
+"coordinator" section also says what the coordinator published (server.py's PublishCounts), which only it knows."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ class StatusServer:
     def _read(self) -> StatusInputs:
         registry, waves = self._coordinator.registry, self._coordinator.waves
         loads = {rank: entry.load for rank, entry in registry.engines.items() if entry.load is not None}
-        return StatusInputs(registry.topology(), loads, waves.wave, waves.running, registry.frontend_stats(), 0.0)
+        return StatusInputs(registry.topology(), loads, waves.wave, waves.running, registry.frontend_stats(), 0.0,
+                            coordinator_published=self._coordinator.published.as_dict())
 
     async def start(self) -> None:
         await self._runner.setup()
