@@ -16,6 +16,7 @@ ENGINE_STALL_S = 60.0
 ENGINE_SILENCE_S = 5.0
 FRONTEND_SILENCE_S = 5.0  # coordinator: a frontend without a heartbeat this long is gone (FrontendGone broadcast)
 TOPOLOGY_REPUBLISH_S = 2.0  # coordinator: the Topology is broadcast at least this often, changed or not
+MODEL_REPUBLISH_S = 30.0  # ... and with the model (ModelInfo, its tokenizer MBs) on a change and this often
 LOAD_MIN_INTERVAL_S = 0.1  # coordinator: a LoadSnapshot at most this often after a change...
 LOAD_HEARTBEAT_S = 1.0  # ...and at least this often without one
 COORDINATOR_SILENCE_S = 5.0  # frontends, engines: no broadcast this long -> register again (a restarted coordinator)

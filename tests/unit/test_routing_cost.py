@@ -223,3 +223,21 @@ def test_a_rank_that_has_not_measured_its_rates_is_assumed_as_fast_as_its_peers(
     index = PrefixIndex()
     picks = [router.pick(num_tokens=256, prompt=match_on(index, [seed] * 256)) for seed in range(10)]
     assert picks.count(0) == picks.count(1) == 5, picks
+
+
+def test_a_popular_prefix_does_not_pile_up_on_its_holder():
+    """Load guard: the holder takes hits while it has at most BALANCE_ABS / BALANCE_REL more sequences than the
+    mean (in the snapshot), then the others take them (and compute the prefix, so they hold it too)."""
+    prompt = list(range(1000))
+    index = PrefixIndex()
+    index.blocks.store(1, block_hashes(prompt, BS))
+    hashes = block_hashes(prompt, BS, max_blocks=(len(prompt) - 1) // BS)
+    match = PromptMatch(len(prompt), index.match(hashes), BS, tie_key=hashes[0], num_output_tokens=16)
+
+    def pick_with_holder_running(holder_running: int) -> int:
+        view = [EngineLoad(rank=r, num_running=run, prefill_tokens_per_s=1000.0, decode_tokens_per_s=run / 0.01)
+                for r, run in ((0, 4), (1, holder_running), (2, 4), (3, 4))]  # fmt: skip
+        return router_with(RoutingPolicy.CACHE_AWARE, view, ranks=(0, 1, 2, 3)).pick(num_tokens=1000, prompt=match)
+
+    assert pick_with_holder_running(6) == 1  # mean 4.5, limit 6.5: the holder saves a 1 s prefill
+    assert pick_with_holder_running(7) != 1  # mean 4.75, limit 6.75: skipped

@@ -70,7 +70,13 @@ from dpserve_coordinator.launcher import EngineLauncher, LaunchError
 from dpserve_coordinator.registry import Registry, RegistrationRefused
 from dpserve_coordinator.reservations import Reservations
 from dpserve_coordinator.scaling import Scaler
-from dpserve_shared.timing import ENGINE_DRAIN_S, LOAD_HEARTBEAT_S, LOAD_MIN_INTERVAL_S, TOPOLOGY_REPUBLISH_S
+from dpserve_shared.timing import (
+    ENGINE_DRAIN_S,
+    LOAD_HEARTBEAT_S,
+    LOAD_MIN_INTERVAL_S,
+    MODEL_REPUBLISH_S,
+    TOPOLOGY_REPUBLISH_S,
+)
 
 from dpserve_coordinator.settings import CoordinatorSettings
 from dpserve_coordinator.supervisor import RankSupervisor
@@ -526,7 +532,7 @@ class Coordinator:
         return snapshot
 
     async def _publish_loop(self) -> None:
-        last_topology = last_load = 0.0
+        last_topology = last_load = last_model = 0.0
         published_epoch = -1
         published_load = (-1, -1, -1, False)
         while self.state is not CoordinatorState.STOPPED:
@@ -549,7 +555,14 @@ class Coordinator:
                 self.reservations.follow(serving)
             self._publish_kv_delta()
             if self.registry.epoch != published_epoch or now - last_topology >= TOPOLOGY_REPUBLISH_S:
-                self._publish(self.registry.topology())
+                topology = self.registry.topology()
+                # The model (its tokenizer is MBs, once per subscriber) goes with a change and every
+                # MODEL_REPUBLISH_S; a plain republish (lost messages, late subscribers) leaves it out.
+                if self.registry.epoch != published_epoch or now - last_model >= MODEL_REPUBLISH_S:
+                    last_model = now
+                else:
+                    topology.model = None
+                self._publish(topology)
                 published_epoch = self.registry.epoch
                 last_topology = now
             changed = self._load_state() != published_load

@@ -5,7 +5,9 @@ estimated time to first token, routing_cost.py: the prompt's tokens not in the r
 prefill already queued there, over the rank's measured prefill rate, plus its decode and KV pressure; ties start
 at the prompt's first block hash, so every API server given the same view picks the same rank; estimates within
 TIE_TOLERANCE_S or TIE_TOLERANCE_FRACTION of the best are a tie, which the least-loaded cost below settles, so
-requests the cache does not care about, and a burst of them, spread as least-loaded spreads them) and round-robin
+requests the cache does not care about, and a burst of them, spread as least-loaded spreads them; a rank with
+more sequences than the mean by BALANCE_ABS and BALANCE_REL of the mean is skipped, so a popular prefix does not
+pile up on the rank that holds it) and round-robin
 (the next candidate with room).
 
 Least-loaded (vLLM's data-parallel load balancing, with its known fixes):
@@ -57,6 +59,8 @@ SESSION_MAX_KV_USE = 0.95
 MAX_SESSIONS = 65536
 TIE_TOLERANCE_S = 0.005  # cache-aware: estimates within this (or TIE_TOLERANCE_FRACTION of the best) are a tie
 TIE_TOLERANCE_FRACTION = 0.05
+BALANCE_ABS = 2  # cache-aware: a rank with more than mean + max(BALANCE_ABS, BALANCE_REL * mean) sequences
+BALANCE_REL = 0.25  # (running, waiting and reserved, as the snapshot has them) is skipped
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -132,6 +136,12 @@ class _RankLoad:
     @property
     def num_queued(self) -> int:
         return self.num_waiting + self.num_reserved + self.num_sent
+
+    @property
+    def num_sequences(self) -> int:
+        """Its sequences as the snapshot has them (running, waiting, reserved): this API server's own sends since
+        are left out, as many of a quick succession have finished before the next snapshot."""
+        return self.num_running + self.num_waiting + self.num_reserved
 
     @property
     def num_queued_tokens(self) -> int:
@@ -263,9 +273,17 @@ class Router:
             reason = "queued_requests" if "queued_requests" in refusals else "queued_tokens"
             raise QueuesFull(reason, f"every serving rank's queue is full ({limits.describe(reason)}); retry later")
         self._next_start = start + 1
-        best_cost = min(cost for _, cost in candidates)
         if self.policy is not RoutingPolicy.CACHE_AWARE:
+            best_cost = min(cost for _, cost in candidates)
             return next(rank for rank, cost in candidates if cost == best_cost)
+        # Load guard: a rank with more sequences than the mean by BALANCE_ABS and BALANCE_REL of it takes none
+        # (its prefix gets computed on another rank, which then holds it too), so a popular prefix cannot pile its
+        # traffic on one rank where a batch's time hardly grows with its size (small batches, the null engine).
+        sizes = {rank: self._loads[rank].num_sequences for rank, _ in candidates}
+        mean = sum(sizes.values()) / len(sizes)
+        limit = mean + max(BALANCE_ABS, BALANCE_REL * mean)
+        candidates = [(rank, cost) for rank, cost in candidates if sizes[rank] <= limit]
+        best_cost = min(cost for _, cost in candidates)
         # Estimates this close are a tie: the rank with the fewest sequences (the least-loaded cost) takes it, so
         # requests the cache does not care about spread like least-loaded ones.
         close = best_cost + max(TIE_TOLERANCE_S, TIE_TOLERANCE_FRACTION * best_cost)

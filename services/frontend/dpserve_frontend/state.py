@@ -78,6 +78,9 @@ class FrontendState:
     def apply_topology(self, topology: Topology) -> None:
         if topology.model is not None:
             self.set_model(topology.model)
+        elif self.model_info is not None:
+            # the coordinator's periodic republish leaves the model (and its tokenizer, ~MBs) out: keep ours
+            topology = msgspec.structs.replace(topology, model=self.model_info)
         self.pool.apply_topology(topology)
         self.metrics.update_topology(topology)
 
