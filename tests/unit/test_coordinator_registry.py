@@ -80,6 +80,15 @@ def test_silent_engine_is_dead_and_comes_back_when_it_heartbeats():
     assert registry.engines[0].state == EngineState.READY
 
 
+def test_time_the_coordinator_did_not_run_is_nobodys_silence():
+    registry = Registry(1, engine_timeout_s=10.0, frontend_timeout_s=5.0)
+    registry.register_engine(engine(0), 0.0)
+    registry.register_frontend(RegisterFrontend(PROTOCOL_VERSION, "fe-1"), 0.0)
+    registry.forgive(8.0)  # the coordinator was starved of CPU for 8 s (its heartbeats queued meanwhile)
+    assert registry.expire(12.0) == ([], [])
+    assert registry.expire(18.5) == (["fe-1"], [0])
+
+
 def test_exited_engine_does_not_come_back_by_heartbeat():
     registry = Registry(1)
     registry.register_engine(engine(0), 0.0)

@@ -319,6 +319,14 @@ class Registry:
                 dead.append(e.rank)
         return gone, dead
 
+    def forgive(self, seconds: float) -> None:
+        """The coordinator did not run for `seconds` (starved of CPU): nobody's silence in that time counts."""
+        for entry in self.engines.values():
+            entry.last_seen_s += seconds
+            entry.step_changed_s += seconds
+        for frontend in self.frontends.values():
+            frontend.last_seen_s += seconds
+
     def topology(self) -> Topology:
         return Topology(
             epoch=self.epoch,

@@ -91,6 +91,7 @@ _UNBOUND_MESSAGES = (RegisterEngine, RegisterFrontend, ScaleRequest)
 # Engines of an earlier coordinator register again within COORDINATOR_SILENCE_S (5 s) of its last broadcast.
 _REATTACH_WAIT_S = 10.0  # twice that: a rank whose engine died meanwhile is started anew after it
 _LOOK_FOR_ENGINES_S = 1.5  # an engine left running heartbeats every second, to whoever holds the control port
+_STALL_S = 0.5  # the publish loop ticks every 20 ms: a longer gap means this process was not running
 
 
 EP_SCALING_UNSUPPORTED = ("scaling an expert-parallel deployment (--enable-expert-parallel) is not supported yet: "
@@ -535,9 +536,17 @@ class Coordinator:
         last_topology = last_load = last_model = 0.0
         published_epoch = -1
         published_load = (-1, -1, -1, False)
+        last_tick = time.monotonic()
         while self.state is not CoordinatorState.STOPPED:
             now = time.monotonic()
-            gone, dead = self.registry.expire(now)
+            if now - last_tick > _STALL_S:
+                # This process did not run (an overloaded machine): its peers' silence meanwhile is its own
+                self.registry.forgive(now - last_tick)
+            last_tick = now
+            if self.control.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                gone, dead = [], []  # messages wait to be read (heartbeats among them): judge silence after
+            else:
+                gone, dead = self.registry.expire(now)
             for frontend_id in gone:
                 log.warning("frontend %s silent for %.0f s: dropped", frontend_id, self.settings.frontend_timeout_s)
                 self._publish(FrontendGone(frontend_id))

@@ -150,11 +150,11 @@ class _RankLoad:
     def cost(self) -> int:
         return WAITING_WEIGHT * self.num_queued + self.num_running
 
-    def state(self, peer_rates: tuple[float, float] = (0.0, 0.0)) -> RankState:
-        """`peer_rates`: the other ranks' mean measured (prefill, decode) rates, for a rank without its own."""
+    def state(self, fleet_rates: tuple[float, float] = (0.0, 0.0)) -> RankState:
+        """`fleet_rates`: the (prefill, decode) rates to price it at (Router._fleet_rates)."""
         return RankState(self.num_queued_tokens, self.num_running, self.num_queued, self.max_num_seqs,
-                         self.kv_blocks_used, self.kv_blocks_total, self.prefill_tokens_per_s or peer_rates[0],
-                         self.decode_tokens_per_s or peer_rates[1])  # fmt: skip
+                         self.kv_blocks_used, self.kv_blocks_total, fleet_rates[0] or self.prefill_tokens_per_s,
+                         fleet_rates[1] or self.decode_tokens_per_s)  # fmt: skip
 
 
 class Router:
@@ -164,9 +164,11 @@ class Router:
         self._serving: list[int] = []  # sorted
         self._next_start = 0
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # session id -> rank, LRU
-        # The mean (prefill, decode) rates of the ranks that measured theirs: a rank that has not (new, or no
-        # prefill large enough yet) is assumed as fast as its peers, not slower or faster by a constant.
-        self._peer_rates = (0.0, 0.0)
+        # Every rank is priced at the mean (prefill, decode) rates of the ranks that measured theirs: the ranks of
+        # a deployment run one model on like hardware, and a rank priced at its own rates would starve after one
+        # slow sample (taken while the machine was busy, say): no request, so no new sample, ever. A rank that
+        # has measured nothing yet (new, or only prefix hits so far) is priced like the others too.
+        self._fleet_rates = (0.0, 0.0)
 
     @property
     def serving_ranks(self) -> list[int]:
@@ -203,8 +205,8 @@ class Router:
         for entry in self._loads.values():
             entry.num_sent = 0
             entry.num_sent_tokens = 0
-        self._peer_rates = (_mean(e.prefill_tokens_per_s for e in self._loads.values()),
-                            _mean(e.decode_tokens_per_s for e in self._loads.values()))  # fmt: skip
+        self._fleet_rates = (_mean(e.prefill_tokens_per_s for e in self._loads.values()),
+                             _mean(e.decode_tokens_per_s for e in self._loads.values()))  # fmt: skip
 
     def pick(
         self,
@@ -317,8 +319,8 @@ class Router:
         if self.policy is RoutingPolicy.ROUND_ROBIN:
             return 0  # every candidate ties: the rotation picks
         if prompt is None:
-            return estimated_ttft_s(load.state(self._peer_rates), num_tokens)
-        return estimated_ttft_s(load.state(self._peer_rates), prompt.num_tokens, prompt.num_cached_tokens(rank), prompt.block_size,
+            return estimated_ttft_s(load.state(self._fleet_rates), num_tokens)
+        return estimated_ttft_s(load.state(self._fleet_rates), prompt.num_tokens, prompt.num_cached_tokens(rank), prompt.block_size,
                                 prompt.num_output_tokens)  # fmt: skip
 
     def cost(self, rank: int) -> int:

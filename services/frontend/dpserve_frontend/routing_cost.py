@@ -12,12 +12,13 @@
   since the snapshot;
 - the slot wait: a rank runs at most max_num_seqs sequences; the requests queued there beyond its free slots,
   and this one, wait for running ones to finish. One finishes every (decode step time of the batch it will run
-  x output tokens left / batch size), with half of this request's max_tokens standing in for what the running ones have left, so
-  requests sharing a prefix stay on the rank that holds it until its batch is full and its queue is long, then
-  spill over (sticky until saturated);
-- the rates are the rank's own measurements (EngineLoad.prefill_tokens_per_s / decode_tokens_per_s, tokens per
-  second of step time), so the trade-off between a cache hit and a queue calibrates itself; until a rank has
-  measured any, DEFAULT_* stand in.
+  x output tokens left / batch size), with half of this request's max_tokens standing in for what the running
+  ones have left, so requests sharing a prefix stay on the rank that holds it until its batch is full and its
+  queue is long, then spill over (sticky until saturated);
+- the rates are measured by the engines (EngineLoad.prefill_tokens_per_s / decode_tokens_per_s, tokens per
+  second of step time), so the trade-off between a cache hit and a queue calibrates itself; the router prices
+  every rank at the mean over the ranks that measured theirs (router.py says why); until one has, DEFAULT_*
+  stand in. With one decode rate for all, a decode step's time grows with the rank's batch.
 """
 
 from __future__ import annotations
