@@ -328,6 +328,10 @@ def load_model(config: EngineConfig, precision: Precision | None = None) -> Tran
         prec = Precision(torch.bfloat16, prec.act, prec.kv, prec.head)  # bf16: only placeholders before repacking
     logger.info("building model on %s: weights %s, activations %s", device, path or prec.weight, prec.act)
     model = build_model(args, state, prec, device, path or "int4", expert_ids)
+    if args.is_moe:
+        logger.info("MoE model: %d experts, top-%d; holding experts %s of %d (%.1f MiB of expert weights)",
+                    args.num_experts, args.num_experts_per_tok, _ranges(model.expert_ids), args.num_experts,
+                    model.expert_weight_bytes / 2**20)  # fmt: skip
     if path:
         logger.info("LM head: %s", model.quantize_head(path))
     model.kernel_paths = paths  # for benchmarks' records
