@@ -91,7 +91,8 @@ def run_setup(name: str, opts) -> dict:
         server.stop()
     ranks = {}
     for rank, now in sorted(after.items()):
-        delta = {k: now.get(k, 0.0) - before.get(rank, {}).get(k, 0.0) for k in ("steps", "dummy_steps", "collective_s")}
+        was = before.get(rank, {})
+        delta = {k: now.get(k, 0.0) - was.get(k, 0.0) for k in ("steps", "dummy_steps", "collective_s")}
         all_steps = delta["steps"] + delta["dummy_steps"]
         ranks[rank] = {**delta, "kv_blocks": now.get("kv_blocks", 0.0), "held": held.get(rank, "?"),
                        "collective_ms_per_step": 1000 * delta["collective_s"] / all_steps if all_steps else 0.0}

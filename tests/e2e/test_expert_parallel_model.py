@@ -104,8 +104,9 @@ def reference(serve_factory, mixtral_dir) -> list[str]:
     return _burst(server.url, REQUESTS)
 
 
-def test_tiny_mixtral_expert_parallel_on_mp_equals_the_single_process_model(serve_factory, request, reference,
-                                                                            mixtral_dir, server_log_on_failure):  # fmt: skip
+def test_tiny_mixtral_expert_parallel_on_mp_equals_the_single_process_model(
+    serve_factory, request, reference, mixtral_dir, server_log_on_failure
+):
     server = _serve(serve_factory, request, _config(mixtral_dir, ep=True))
     assert _burst(server.url, REQUESTS) == reference
     assert "holding experts 0..1 of 4" in server.log() and "holding experts 2..3 of 4" in server.log()
@@ -117,15 +118,17 @@ def test_tiny_mixtral_expert_parallel_on_mp_equals_the_single_process_model(serv
 
 
 @pytest.mark.ray
-def test_tiny_mixtral_expert_parallel_on_ray_equals_the_single_process_model(serve_factory, request, reference,
-                                                                             mixtral_dir, server_log_on_failure):  # fmt: skip
+def test_tiny_mixtral_expert_parallel_on_ray_equals_the_single_process_model(
+    serve_factory, request, reference, mixtral_dir, server_log_on_failure
+):
     server = _serve(serve_factory, request, _config(mixtral_dir, ep=True, backend="ray"))
     assert _burst(server.url, REQUESTS) == reference
     assert _burst(server.url, REQUESTS[:8], rank=0) == reference[:8]
 
 
-def test_upcycled_smollm2_moe_expert_parallel_equals_the_single_process_model(serve_factory, request,
-                                                                              server_log_on_failure):  # fmt: skip
+def test_upcycled_smollm2_moe_expert_parallel_equals_the_single_process_model(
+    serve_factory, request, server_log_on_failure
+):
     """The upcycled SmolLM2 with perturbed experts (routing matters): 4 requests of 6 tokens."""
     model = "smollm2-moe:4:noise=0.02"
     requests = [(prompt, 6) for prompt, _ in REQUESTS[:4]]
