@@ -1,4 +1,16 @@
-"""EngineCore: the real engine. Pure and in-process: add requests, step, read outputs; no sockets."""
+"""EngineCore: the real engine. Pure and in-process: add requests, step, read outputs; no sockets.
+
+Expert parallelism (an MoE model with --enable-expert-parallel; interface.py's contract, the service's
+lockstep.py): the engine is built before it knows its place in the group (the coordinator sends the ExpertGroup
+after every rank registered), so it loads everything but the experts and holds none of them at first (its KV
+cache is sized by --kv-cache-memory / --num-kv-blocks alone, as for any model, and reported at registration).
+`set_expert_comm(comm)` is the moment it learns rank r of N: it loads the experts moe.expert_range(E, r, N) from
+the checkpoint and runs its MoE layers over `comm` from then on. Called again with another (rank, world size), it
+re-shards: experts it still needs stay, the others are dropped, the new ones are read from the checkpoint
+(`set_expert_comm(None)`: all experts, local). While it has a comm, every `step()` runs exactly one forward
+through the MoE layers (a step that schedules nothing runs `dummy_step()`'s zero-row forward), so that the ranks'
+collectives match one for one.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +28,7 @@ from dpserve_engine.interface import EngineCoreBase, InvalidRequest, queue_timeo
 from dpserve_engine.model import Precision, Transformer, build_model
 from dpserve_engine.model_info import load_model_info
 from dpserve_engine.model_runner import ModelRunner, StepResult
+from dpserve_engine.moe import ExpertComm, expert_range
 from dpserve_engine.scheduler import ScheduledBatch, Scheduler
 from dpserve_engine.sequence import Sequence
 from dpserve_engine.settings import EngineConfig, export_inductor_cache_dir
@@ -62,6 +75,7 @@ class EngineCore(EngineCoreBase):
         self.num_prompt_tokens = 0  # computed (prefilled) prompt tokens, cumulative
         self.num_generation_tokens = 0
         self.rates = StepRates()  # measured prefill / decode tokens per second (for routing)
+        self.expert_comm: ExpertComm | None = None  # set_expert_comm: the MoE layers run across the ranks
 
     @classmethod
     def from_model(cls, config: EngineConfig, model: Transformer, model_info: ModelInfo) -> EngineCore:
@@ -139,12 +153,67 @@ class EngineCore(EngineCoreBase):
     def kv_snapshot(self) -> list[int]:
         return self.block_manager.cached_hashes()
 
+    # -- expert parallelism ----------------------------------------------------------------------------------
+
+    @property
+    def supports_expert_parallel(self) -> bool:
+        return self.runner.model.args.is_moe
+
+    def set_expert_comm(self, comm: ExpertComm | None) -> None:
+        """Run the MoE layers over `comm` (rank r of N), holding exactly the experts expert_range(E, r, N): the
+        first call loads them, a later one with another (r, N) re-shards (None: all experts, locally)."""
+        model = self.runner.model
+        if not model.args.is_moe:
+            super().set_expert_comm(comm)  # raises: a dense model has no experts to share
+        num_experts = model.args.num_experts
+        wanted = list(range(num_experts) if comm is None else expert_range(num_experts, comm.rank, comm.world_size))
+        if model.expert_ids != wanted:
+            self._reshard(wanted)
+        model.set_expert_comm(comm)
+        self.expert_comm = comm
+        where = "locally" if comm is None else f"as rank {comm.rank} of {comm.world_size}"
+        logger.info("MoE layers run %s, holding experts %s of %d (%.1f MiB of expert weights); KV cache %d blocks "
+                    "of %d tokens", where, _ranges(wanted), num_experts, model.expert_weight_bytes / 2**20,
+                    self.kv_blocks_total, self.block_size)  # fmt: skip
+
+    def _reshard(self, wanted: list[int]) -> None:
+        """Hold exactly `wanted`: keep the experts held already, read the others from the checkpoint, drop the rest."""
+        from dpserve_engine.loader import load_weights
+
+        model = self.runner.model
+        held = model.expert_ids
+        new = [e for e in wanted if e not in held]
+        started = time.perf_counter()
+        _, state = load_weights(self.config.model, self.config.cache_dir, None, expert_ids=new) if new else (None, {})
+        model.set_experts(wanted, state)
+        del state
+        logger.info("experts re-sharded in %.2f s: loaded %s from %s, dropped %s", time.perf_counter() - started,
+                    _ranges(new), self.config.model, _ranges([e for e in held if e not in wanted]))  # fmt: skip
+
+    def dummy_step(self) -> None:
+        """A forward of zero rows through every MoE layer (the same collectives as a step), for a lock-step rank
+        with no requests while the others step."""
+        if not self.runner.model.args.is_moe:
+            super().dummy_step()  # raises
+        self.runner.model.dummy_forward()
+
+    def _check_experts_held(self) -> None:
+        model = self.runner.model
+        if self.expert_comm is None and model.args.is_moe and len(model.expert_ids) < model.args.num_experts:
+            raise RuntimeError(
+                f"this engine holds experts {_ranges(model.expert_ids)} of {model.args.num_experts} (expert "
+                "parallel) but has no expert-parallel group yet: set_expert_comm() comes before the first step"
+            )
+
     # -- step ------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._check_experts_held()
         expired = self._expire_queued() if self.config.max_queue_time_s is not None else []
         batch = self.scheduler.schedule()
         if not batch:
+            if self.expert_comm is not None:  # lock-step: the other ranks' MoE layers wait for this one's rows
+                self.dummy_step()
             return expired
         started = time.perf_counter()
         result = self.runner.run(batch)
@@ -239,7 +308,9 @@ class EngineCore(EngineCoreBase):
 
 
 def load_model(config: EngineConfig, precision: Precision | None = None) -> Transformer:
-    from dpserve_engine.loader import load_weights
+    """The model `config` names. An MoE model with --enable-expert-parallel is loaded without any expert: the rank
+    loads its own once it knows its place in the group (EngineCore.set_expert_comm)."""
+    from dpserve_engine.loader import is_moe_model, load_weights
 
     device = pick_device(config)
     quantization = config.resolved_quantization(device.type)
@@ -247,12 +318,20 @@ def load_model(config: EngineConfig, precision: Precision | None = None) -> Tran
         raise ValueError(f"quantization={quantization!r} runs CPU kernels; device is {device}")
     paths = choose_kernel_paths(config, quantization) if quantization else None
     path = paths.path if paths else None
-    args, state = load_weights(config.model, config.cache_dir, "int4" if path else None)  # "int4": Q4_1 groups
+    expert_ids = [] if config.enable_expert_parallel and is_moe_model(config.model) else None
+    if expert_ids is not None:
+        logger.info("expert parallel: loading no experts until this rank joins its group")
+    args, state = load_weights(config.model, config.cache_dir, "int4" if path else None,  # "int4": Q4_1 groups
+                               expert_ids=expert_ids)  # fmt: skip
     prec = precision or Precision.for_device(device, config.dtype)
     if path:
         prec = Precision(torch.bfloat16, prec.act, prec.kv, prec.head)  # bf16: only placeholders before repacking
     logger.info("building model on %s: weights %s, activations %s", device, path or prec.weight, prec.act)
-    model = build_model(args, state, prec, device, path or "int4")
+    model = build_model(args, state, prec, device, path or "int4", expert_ids)
+    if args.is_moe:
+        logger.info("MoE model: %d experts, top-%d; holding experts %s of %d (%.1f MiB of expert weights)",
+                    args.num_experts, args.num_experts_per_tok, _ranges(model.expert_ids), args.num_experts,
+                    model.expert_weight_bytes / 2**20)  # fmt: skip
     if path:
         logger.info("LM head: %s", model.quantize_head(path))
     model.kernel_paths = paths  # for benchmarks' records
@@ -277,3 +356,14 @@ def choose_kernel_paths(config: EngineConfig, quantization: str):
                 cpu.model_name, cpu.capability, " ".join(cpu.describe()["flags"]) or "no AVX2", chosen.path,
                 chosen.reason, chosen.decode, chosen.prefill, chosen.head)  # fmt: skip
     return chosen
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0..2, 5' (for logs); 'none' when empty."""
+    spans: list[list[int]] = []
+    for e in ids:
+        if spans and e == spans[-1][1] + 1:
+            spans[-1][1] = e
+        else:
+            spans.append([e, e])
+    return ", ".join(f"{a}..{b}" if b > a else str(a) for a, b in spans) or "none"

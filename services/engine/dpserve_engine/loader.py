@@ -26,6 +26,7 @@ import torch
 
 from dpserve_engine.model import ModelArgs
 from dpserve_engine.model_files import ModelFilesNotFound, parse_upcycled, resolve_model_path
+from dpserve_engine.moe import checked_expert_ids
 from dpserve_engine.moe_weights import upcycle
 
 logger = logging.getLogger(__name__)
@@ -72,13 +73,24 @@ def load_weights(model: str, cache_dir: str, quantization: str | None = None,
     return load_gguf_cached(path, cache_dir, quantization)
 
 
+def is_moe_model(model: str) -> bool:
+    """Whether `model` is a mixture-of-experts model (the upcycled SmolLM2, a Mixtral directory); reads no weights."""
+    if parse_upcycled(model) is not None:
+        return True
+    path = resolve_model_path(model)
+    if not os.path.isdir(path):
+        return False  # GGUF: llama only
+    with open(os.path.join(path, "config.json")) as f:
+        return bool(_moe_args(json.load(f), path))
+
+
 def _checked_experts(expert_ids: Sequence[int] | None, num_experts: int, model: str) -> list[int] | None:
     if expert_ids is None:
         return None
-    ids = list(expert_ids)
-    if not ids or ids != sorted(set(ids)) or not all(0 <= e < num_experts for e in ids):
-        raise ValueError(f"{model}: expert_ids must be distinct, ascending, in [0, {num_experts}); got {ids}")
-    return ids
+    try:
+        return checked_expert_ids(expert_ids, num_experts)  # [] is fine: no expert's tensors at all
+    except ValueError as e:
+        raise ValueError(f"{model}: {e}") from None
 
 
 def load_gguf_cached(path: str, cache_dir: str, quantization: str | None = None) -> tuple[ModelArgs, StateDict]:
@@ -237,7 +249,7 @@ def load_hf_dir(path: str, expert_ids: Sequence[int] | None = None) -> tuple[Mod
     if args.is_moe:
         required += ["model.layers.0.block_sparse_moe.gate.weight"]
         required += [f"model.layers.0.block_sparse_moe.experts.{j}.w{n}.weight"
-                     for j in (held or range(args.num_experts)) for n in (1, 2, 3)]  # fmt: skip
+                     for j in (range(args.num_experts) if held is None else held) for n in (1, 2, 3)]  # fmt: skip
     missing = [k for k in required if k not in state]
     if not args.tie_embeddings and "lm_head.weight" not in state:
         args.tie_embeddings = True  # some checkpoints omit the flag but share the embedding

@@ -356,6 +356,18 @@ class Transformer(nn.Module):
         for moe in self.moe_layers:
             moe.comm = comm
 
+    @torch.no_grad()  # not inference_mode: the new stacks become parameters, like load_weights' copies
+    def set_experts(self, expert_ids: Sequence[int], state: dict[str, Tensor]) -> None:
+        """Hold exactly `expert_ids` in every MoE layer (re-sharding; MoEFeedForward.set_experts): kept where held
+        already, the others copied from `state` (loader.load_weights(..., expert_ids=the new ones))."""
+        for i, layer in enumerate(self.layers):
+            layer.feed_forward.set_experts(expert_ids, state, f"model.layers.{i}.block_sparse_moe.")
+
+    @property
+    def expert_weight_bytes(self) -> int:
+        """Bytes of the experts' weights this model holds (0 for a dense model)."""
+        return sum(t.numel() * t.element_size() for moe in self.moe_layers for t in (moe.w13, moe.w2))
+
     @torch.inference_mode()
     def dummy_forward(self) -> None:
         """A forward of zero tokens, for an expert-parallel rank with nothing to run while others step: only the

@@ -65,6 +65,15 @@ def expert_range(num_experts: int, rank: int, world_size: int) -> range:
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
+def checked_expert_ids(expert_ids: Sequence[int], num_experts: int) -> list[int]:
+    """`expert_ids` as a list, or ValueError unless distinct, ascending and in [0, num_experts) (empty is fine: an
+    expert-parallel rank holds none until it knows its place in the group)."""
+    ids = list(expert_ids)
+    if ids != sorted(set(ids)) or not all(0 <= e < num_experts for e in ids):
+        raise ValueError(f"expert_ids must be distinct, ascending, in [0, {num_experts}); got {ids}")
+    return ids
+
+
 def route(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """Router logits [T, E] -> (weights [T, k] fp32 summing to 1 per token, expert ids [T, k]): softmax in fp32,
     top-k, renormalized (Mixtral's routing)."""
@@ -79,9 +88,7 @@ class MoEFeedForward(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int, dtype: torch.dtype,
                  expert_ids: Sequence[int] | None = None):  # fmt: skip
         super().__init__()
-        ids = list(range(num_experts)) if expert_ids is None else list(expert_ids)
-        if ids != sorted(set(ids)) or not all(0 <= e < num_experts for e in ids):
-            raise ValueError(f"expert_ids must be distinct, ascending, in [0, {num_experts}); got {ids}")
+        ids = list(range(num_experts)) if expert_ids is None else checked_expert_ids(expert_ids, num_experts)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.ffn_dim, self.num_experts, self.top_k = ffn_dim, num_experts, top_k
@@ -136,6 +143,27 @@ class MoEFeedForward(nn.Module):
         w13, w2 = self.w13[slot], self.w2[slot]
         gate, up = F.linear(x.to(w13.dtype), w13).to(x.dtype).split(self.ffn_dim, dim=-1)
         return F.linear((F.silu(gate) * up).to(w2.dtype), w2).to(x.dtype)
+
+    def set_experts(self, expert_ids: Sequence[int], state: dict[str, Tensor], prefix: str) -> None:
+        """Hold exactly `expert_ids` from now on (re-sharding): the stacks' rows of experts held already are kept,
+        the others copied from `state` (Mixtral names under `prefix`, as `load`; it needs only the new experts),
+        and experts no longer wanted are dropped with the old stacks."""
+        ids = checked_expert_ids(expert_ids, self.num_experts)
+        w13 = self.w13.new_empty((len(ids), *self.w13.shape[1:]))
+        w2 = self.w2.new_empty((len(ids), *self.w2.shape[1:]))
+        for slot, expert in enumerate(ids):
+            held = self.local_slot.get(expert)
+            if held is not None:
+                w13[slot].copy_(self.w13[held])
+                w2[slot].copy_(self.w2[held])
+            else:
+                p = f"{prefix}experts.{expert}."
+                w13[slot].copy_(torch.cat([state[p + "w1.weight"], state[p + "w3.weight"]]))
+                w2[slot].copy_(state[p + "w2.weight"])
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        self.expert_ids = ids
+        self.local_slot = {e: slot for slot, e in enumerate(ids)}
 
     def load(self, state: dict[str, Tensor], prefix: str) -> None:
         """Copy Mixtral-named weights (`{prefix}gate.weight`, `{prefix}experts.{j}.w1/w2/w3.weight`) of the experts

@@ -61,6 +61,10 @@ class _SnapshotCollector:
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions.", labels=labels)
         busy = CounterMetricFamily("dpserve:engine_busy_seconds", "Seconds the rank spent in steps (prefill and "
                                    "decode) since its engine started.", labels=labels)
+        steps = CounterMetricFamily("dpserve:engine_steps", "Steps the rank ran the model on requests of its own "
+                                    "(dummy steps not included).", labels=labels)
+        kv_blocks = GaugeMetricFamily("dpserve:engine_kv_blocks", "KV-cache blocks the rank holds (used or not).",
+                                      labels=labels)
         compiled = GaugeMetricFamily("dpserve:engine_decode_compiled", "1 once the rank's decode steps run its "
                                      "compiled graph (prepared in the background after start-up).", labels=labels)
         rank_wave = GaugeMetricFamily("dpserve:engine_wave", "The rank's current wave (lock-step: it moves only when "
@@ -122,12 +126,15 @@ class _SnapshotCollector:
                 preemptions.add_metric(values, load.num_preemptions)
                 compiled.add_metric(values, 1.0 if load.decode_compiled else 0.0)
                 busy.add_metric(values, load.busy_s)
+                steps.add_metric(values, load.step)
+                kv_blocks.add_metric(values, load.kv_blocks_total)
                 rank_wave.add_metric(values, load.wave)
                 dummy_steps.add_metric(values, load.num_dummy_steps)
                 collective_s.add_metric(values, load.collective_time_s)
             wave.add_metric([], snapshot.wave)
             is_running.add_metric([], 1.0 if snapshot.engines_running else 0.0)
-        return [running, waiting, kv, queries, hits, preemptions, busy, index_blocks, index_resyncs, compiled,
+        return [running, waiting, kv, queries, hits, preemptions, busy, steps, kv_blocks, index_blocks, index_resyncs,
+                compiled,
                 rank_wave, dummy_steps, collective_s, wave, is_running, states, target, healthy, failed, restarts,
                 deaths]
 
