@@ -140,6 +140,11 @@ class EngineCore(EngineCoreBase):
                 outputs.append(RequestOutput(request_id, finish_reason=FinishReason.ABORT))
         return outputs
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (the expert-parallel group is nccl on CUDA, gloo on CPU)."""
+        return self.runner.device
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -165,7 +165,7 @@ class EngineService:
             raise RegistrationFailed(f"the coordinator placed rank {self.rank} as rank {message.rank} of the group")
         address = GroupAddress(message.host, message.port, message.world_size, message.rank, message.timeout_s)
         try:
-            group = Group.join(address, getattr(self.core, "device", "cpu"))
+            group = Group.join(address, getattr(self.core, "device", "cpu"))  # EngineCore.device; the null engine: cpu
         except ExpertGroupJoinFailed as e:
             raise RegistrationFailed(str(e)) from None
         self.core.set_expert_comm(ExpertParallelComm(group))
