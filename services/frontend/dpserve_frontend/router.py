@@ -60,7 +60,7 @@ MAX_SESSIONS = 65536
 TIE_TOLERANCE_S = 0.005  # cache-aware: estimates within this (or TIE_TOLERANCE_FRACTION of the best) are a tie
 TIE_TOLERANCE_FRACTION = 0.05
 BALANCE_ABS = 2  # cache-aware: a rank with more than mean + max(BALANCE_ABS, BALANCE_REL * mean) sequences
-BALANCE_REL = 0.25  # (running, waiting and reserved, as the snapshot has them) is skipped
+BALANCE_REL = 0.25  # (running and waiting, as its engine last reported them) is skipped
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -139,9 +139,10 @@ class _RankLoad:
 
     @property
     def num_sequences(self) -> int:
-        """Its sequences as the snapshot has them (running, waiting, reserved): this API server's own sends since
-        are left out, as many of a quick succession have finished before the next snapshot."""
-        return self.num_running + self.num_waiting + self.num_reserved
+        """Its sequences as its engine last reported them (running and waiting): the picks not reported yet
+        (reserved, this API server's own sends) are left out, as many of a quick succession of short requests
+        have finished before the engine's next report."""
+        return self.num_running + self.num_waiting
 
     @property
     def num_queued_tokens(self) -> int:
