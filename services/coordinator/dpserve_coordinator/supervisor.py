@@ -9,9 +9,8 @@ One watcher task per rank waits for the launcher to report that the rank's proce
     deaths the rank is shown as FAILED (a crash loop, in the topology: /health, /metrics, the log) while it is
     still retried; a rank that lives STABLE_S is healthy again. A replacement that cannot be launched is retried
     the same way. Only a rank that dies before it ever registered is not restarted: `wait_ready` reports it to
-    whoever is waiting for it (start-up or a scale-up). Nor is a rank of an expert-parallel deployment
-    (--enable-expert-parallel): re-forming its process group with a replacement is not supported yet, so it stays
-    DEAD with an error in the log.
+    whoever is waiting for it (start-up or a scale-up). A rank of an expert-parallel deployment is replaced the
+    same way; the coordinator's ExpertGroups re-forms the group once the replacement registered.
 
 `wait_ready` is the one "wait until these ranks are READY by a deadline, name the missing ones", used by the
 coordinator's start-up and by a scale-up.
@@ -238,11 +237,6 @@ class RankSupervisor:
             self._registry.mark_dead(rank, reason)
             if not self._has_registered(rank):
                 return  # failed before it ever came up: wait_ready reports it
-            if self._settings.enable_expert_parallel:
-                log.error("rank %d: not replaced: replacing a rank of an expert-parallel deployment "
-                          "(--enable-expert-parallel) is not supported yet (its process group would have to be "
-                          "re-formed); the other ranks' collectives fail and they exit too", rank)  # fmt: skip
-                return
             quick_deaths = quick_deaths + 1 if time.monotonic() - started < STABLE_S else 1
             while True:
                 delay = self._note_death(rank, quick_deaths, reason)

@@ -1,0 +1,133 @@
+"""Elastic expert parallelism (issue #18): re-forming the expert-parallel group of a running `dpserve serve
+--enable-expert-parallel` (null engines in their expert-parallel mode: every step and dummy step runs gather +
+scatter_sum over a real gloo group), mp backend, 2 API servers, streaming load alongside that must see no failed
+request.
+
+- scaling 2 -> 3 (`dpserve scale`) -> 2 (vLLM's POST /scale_elastic_ep): each step re-forms the group (generation
+  2, then 3) with the new world size; the new rank serves; the removed one drains and exits;
+- SIGKILL of a rank: the survivors' collectives fail at once, they keep their requests, the supervisor starts a
+  replacement, the coordinator re-forms the group with it; a stream pinned to the survivor loses no token, and its
+  longest silence is the interruption (printed; docs/benchmarks.md "session 11: elastic EP").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from tests.conftest import _alive, engine_metrics, wait_for
+from tests.integration.test_scale import StreamLoad, _engine_pids, _scale, _serving_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+EP_ARGS = ("--enable-expert-parallel", "--null-step-time-ms", "20")
+
+
+@pytest.fixture
+def ep_server(serve_factory, request, server_log_on_failure):
+    serve_factory.close()  # one deployment at a time on 2 cores; this one is scaled or loses a rank
+    server = serve_factory(backend="mp", data_parallel_size=2, api_server_count=2, null_engine=True,
+                           extra_args=EP_ARGS)  # fmt: skip
+    request.node.serve = server
+    yield server
+    serve_factory.close()
+
+
+def _post_json(url: str, body: dict, timeout_s: float = 200) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode() or "{}")
+
+
+def _successes(url: str) -> dict[int, float]:
+    return engine_metrics(url).get("vllm:request_success_total", {})
+
+
+def test_scaling_2_to_3_to_2_under_load_re_forms_the_group_and_fails_no_request(ep_server):
+    url = ep_server.url
+    with StreamLoad(url, num_threads=4, max_tokens=(10, 40)) as load:
+        wait_for(lambda: load.num_ok >= 4, 60, "the load to get going")
+
+        up = _scale(ep_server.rpc_port, 3)
+        assert up.returncode == 0, up.stdout + up.stderr
+        wait_for(lambda: all(_serving_ranks(url) == [0, 1, 2] for _ in range(4)), 20, "ranks 0, 1, 2 serving")
+        wait_for(lambda: _successes(url).get(2, 0) >= 2, 60, "the new rank 2 to serve requests")
+        pids = _engine_pids(ep_server)
+
+        status, body = _post_json(url + "/scale_elastic_ep", {"new_data_parallel_size": 2})
+        assert status == 200, body
+        assert body["message"] == "Scaled to 2 data parallel engines"
+        wait_for(lambda: all(_serving_ranks(url) == [0, 1] for _ in range(4)), 20, "rank 2 to leave")
+        wait_for(lambda: not _alive(pids[2]), 20, "the removed rank's engine to exit")
+        served = dict(_successes(url))
+        wait_for(lambda: load.num_ok >= 20 and _successes(url).get(1, 0) > served.get(1, 0), 60,
+                 "ranks 0 and 1 to serve in the re-formed group of 2")  # fmt: skip
+    assert load.failures == [], load.failures[:5]
+    log = ep_server.log()
+    assert "expert-parallel group, generation 2: 3 ranks joined" in log
+    assert "expert-parallel group, generation 3: 2 ranks joined" in log
+    assert "leaving the expert-parallel group of generation 1 for generation 2" in log
+    assert "starting a replacement" not in log and "lock-step step failed" not in log
+
+
+def _pinned_stream_events(url: str, max_tokens: int, rank: int, times: list[float], done: dict) -> None:
+    """A stream pinned to `rank`: the arrival time of every content event goes to `times`; `done` gets its end."""
+    body = json.dumps({"prompt": "a long story", "max_tokens": max_tokens, "ignore_eos": True, "stream": True})
+    request = urllib.request.Request(url + "/v1/completions", body.encode(),
+                                     {"Content-Type": "application/json", "X-data-parallel-rank": str(rank)})
+    try:
+        with urllib.request.urlopen(request, timeout=200) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    done["ok"] = True
+                    return
+                if line.startswith("data:"):
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        done["error"] = event["error"]
+                        return
+                    times.append(time.monotonic())
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        done["error"] = repr(e)
+
+
+def test_killing_a_rank_under_load_re_forms_the_group_with_its_replacement_and_fails_no_request(ep_server):
+    url = ep_server.url
+    times: list[float] = []
+    done: dict = {}
+    survivor = threading.Thread(target=_pinned_stream_events, args=(url, 600, 0, times, done), daemon=True)
+    with StreamLoad(url, num_threads=4, max_tokens=(10, 40)) as load:
+        wait_for(lambda: load.num_ok >= 4, 60, "the load to get going")
+        survivor.start()
+        wait_for(lambda: len(times) >= 20, 30, "the pinned stream on rank 0 to run")
+        victim = _engine_pids(ep_server)[1]
+        killed_s = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: (_engine_pids(ep_server).get(1) not in (None, victim)
+                          and all(_serving_ranks(url) == [0, 1] for _ in range(4))), 90,
+                 "a replacement rank 1 serving")  # fmt: skip
+        served = dict(_successes(url))
+        wait_for(lambda: _successes(url).get(1, 0) >= served.get(1, 0) + 2, 60, "the replacement to serve requests")
+        survivor.join(120)
+        wait_for(lambda: load.num_ok >= 20, 60, "more load after the replacement")
+    assert done.get("ok") and len(times) == 600, (done, len(times))  # the survivor's request kept every token
+    after = [t for t in times if t > killed_s]
+    interruption_s = after[0] - killed_s
+    longest_gap_s = max(b - a for a, b in zip(times, times[1:]))
+    print(f"\nkill -> first token of the survivor's stream after the re-formation: {interruption_s:.2f} s "
+          f"(its longest silence {longest_gap_s:.2f} s)")
+    assert load.failures == [], load.failures[:5]
+    log = ep_server.log()
+    assert "left the expert-parallel group of generation 1" in log  # the survivor's collective failed
+    assert "expert-parallel group, generation 2: 2 ranks joined" in log
+    assert "expert-parallel group repaired" in log
