@@ -15,8 +15,10 @@ Two ways to leave the old group (group_membership.py on the engines):
 
 Repair (`watch`, a task): the group is broken when a member's engine is DEAD or is no longer the one that joined
 (a replacement registered), or a member reported ExpertGroupBroken for the current generation. The supervisor
-replaces a dead rank as for dense models; once every member is READY again the group is re-formed with the same
-ranks. The survivors meanwhile keep their requests without stepping (their collectives with the dead rank failed
+replaces a dead rank as for dense models; once every member is READY again, and each has been heard from since
+the break was seen (a survivor's report usually comes before the supervisor sees the death: re-forming then
+would send the dead engine its ExpertGroup and leave the others waiting in the join), the group is re-formed with
+the same ranks. The survivors meanwhile keep their requests without stepping (their collectives with the dead rank failed
 at once: its sockets closed), and frontends re-send the dead rank's requests to them (engine_pool.py).
 """
 
@@ -37,6 +39,9 @@ from dpserve_coordinator.registry import Registry
 log = logging.getLogger("dpserve.coordinator")
 
 FORM_TIMEOUT_S = EXPERT_GROUP_TIMEOUT_S + 10.0  # every member's join gives up after EXPERT_GROUP_TIMEOUT_S
+# A member is alive after a break when it was heard from this long after the break was seen (heartbeats come every
+# HEARTBEAT_INTERVAL_S, EngineStats more often): a dead engine's last messages may still be in the queue.
+ALIVE_AFTER_BREAK_S = 0.3
 _POLL_S = 0.05
 
 Reply = Callable[[str, object], Awaitable[None]]  # one message to one DEALER on the control socket
@@ -78,6 +83,11 @@ class ExpertGroups:
         self._lock = asyncio.Lock()
         self._joined: dict[int, set[str]] = {}  # generation -> engine ids that answered
         self._reported_broken = False
+        self._is_closed = False
+
+    def close(self) -> None:
+        """The coordinator is stopping: its ranks leave, nothing is to be repaired."""
+        self._is_closed = True
 
     def adopt(self, ranks: list[int]) -> None:
         """The ranks' engines outlived a coordinator before this one, in a group of a generation this one does not
@@ -101,9 +111,10 @@ class ExpertGroups:
         host = registry.engines[ranks[0]].node_ip or self._default_host
         port = free_port(host if _is_local(host) else self._default_host)
         wave = self._waves.on_regroup() if generation > 1 else 0
+        how = ("" if generation == 1 else ", the old group left at once" if leave_now
+               else ", the old group left at the ranks' next sync")
         log.info("expert-parallel group, generation %d: ranks %s at tcp://%s:%d%s%s", generation, ranks, host, port,
-                 f", ranks {leavers} leave" if leavers else "", ", the old group left at once" if leave_now
-                 else ", the old group left at the ranks' next sync")  # fmt: skip
+                 f", ranks {leavers} leave" if leavers else "", how)  # fmt: skip
         self._joined[generation] = set()
         self.generation = generation
         self._reported_broken = False
@@ -146,9 +157,11 @@ class ExpertGroups:
                       if rank not in engines or engines[rank].state == EngineState.DEAD
                       or engines[rank].engine_id != engine_id)  # fmt: skip
 
-    def _can_repair(self) -> bool:
+    def _can_repair(self, broken_since: float) -> bool:
+        """Every member serves (a replacement registered) and was heard from since the break was seen."""
         engines = self._registry.engines
         return all(rank in engines and engines[rank].state in (EngineState.READY, EngineState.DRAINING)
+                   and engines[rank].last_seen_s >= broken_since + ALIVE_AFTER_BREAK_S
                    for rank in self.members)  # fmt: skip
 
     async def watch(self) -> None:
@@ -156,7 +169,7 @@ class ExpertGroups:
         broken_since: float | None = None
         while True:
             await asyncio.sleep(_POLL_S)
-            if not self.members or self._lock.locked():
+            if not self.members or self._lock.locked() or self._is_closed:
                 continue
             broken = self.broken_ranks()
             if not broken and not self._reported_broken:
@@ -164,9 +177,10 @@ class ExpertGroups:
                 continue
             if broken_since is None:
                 broken_since = time.monotonic()
-                log.warning("expert-parallel group generation %d is broken (ranks %s gone); re-forming it once "
-                            "every rank serves again", self.generation, broken or "none, a rank's report")  # fmt: skip
-            if not self._can_repair():
+                log.warning("expert-parallel group generation %d is broken (%s); re-forming it once every rank "
+                            "serves again", self.generation,
+                            f"ranks {broken} gone" if broken else "a rank reported a failed step")  # fmt: skip
+            if not self._can_repair(broken_since):
                 continue
             try:
                 await self.form(sorted(self.members), leave_now=True)

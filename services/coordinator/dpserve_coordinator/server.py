@@ -166,6 +166,8 @@ class Coordinator:
         if self.state in (CoordinatorState.STARTING, CoordinatorState.SERVING):
             self.state = CoordinatorState.DRAINING
             self.scaler.close()
+            if self.expert_groups is not None:
+                self.expert_groups.close()
             self.supervisor.stop_restarts()
             self._stop_requested.set()
 

@@ -215,8 +215,8 @@ class EngineService:
             self.lifecycle.stop(drain=False, exit_code=1, is_error=True,
                                 reason=f"cannot re-form the expert-parallel group: {e}")  # fmt: skip
             return
-        log.info("expert-parallel group of generation %d joined in %.2f s", message.generation,
-                 time.monotonic() - started)  # fmt: skip
+        log.info("expert-parallel group of generation %d %s in %.2f s", message.generation,
+                 "joined" if message.rank >= 0 else "left", time.monotonic() - started)  # fmt: skip
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
