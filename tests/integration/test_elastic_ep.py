@@ -7,7 +7,8 @@ request.
   2, then 3) with the new world size; the new rank serves; the removed one drains and exits;
 - SIGKILL of a rank: the survivors' collectives fail at once, they keep their requests, the supervisor starts a
   replacement, the coordinator re-forms the group with it; a stream pinned to the survivor loses no token, and its
-  longest silence is the interruption (printed; docs/benchmarks.md "session 11: elastic EP").
+  longest silence is the interruption (printed; docs/benchmarks.md "session 11: elastic EP");
+- the same death under the ray backend (the engine process of an EngineHost actor killed).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import _alive, engine_metrics, wait_for
+from tests.conftest import _alive, _proc_table, engine_metrics, wait_for
 from tests.integration.test_scale import StreamLoad, _engine_pids, _scale, _serving_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -130,3 +131,33 @@ def test_killing_a_rank_under_load_re_forms_the_group_with_its_replacement_and_f
     assert "left the expert-parallel group of generation 1" in log  # the survivor's collective failed
     assert "expert-parallel group, generation 2: 2 ranks joined" in log
     assert "expert-parallel group repaired" in log
+
+
+def _engine_pid(server, rank: int) -> int | None:
+    """The pid of the rank's engine process wherever it runs (under Ray its parent is a Ray worker)."""
+    for pid, (_, cmdline) in _proc_table().items():
+        if ("dpserve_engine.service" in cmdline and f":{server.rpc_port} " in cmdline
+                and f"--rank {rank} " in cmdline + " "):  # fmt: skip
+            return pid
+    return None
+
+
+@pytest.mark.ray
+def test_ray_backend_a_killed_rank_is_replaced_and_the_group_re_formed(serve_factory, request,
+                                                                       server_log_on_failure):  # fmt: skip
+    serve_factory.close()
+    server = serve_factory(backend="ray", data_parallel_size=2, api_server_count=1, null_engine=True,
+                           extra_args=EP_ARGS)  # fmt: skip
+    request.node.serve = server
+    url = server.url
+    with StreamLoad(url, num_threads=4, max_tokens=(10, 40)) as load:
+        wait_for(lambda: load.num_ok >= 4, 60, "the load to get going")
+        victim = _engine_pid(server, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: "expert-parallel group repaired" in server.log(), 120, "the group re-formed")
+        done = load.num_ok
+        wait_for(lambda: load.num_ok >= done + 8, 60, "the load to go on")
+    assert load.failures == [], load.failures[:5]
+    assert _engine_pid(server, 1) not in (None, victim)
+    serve_factory.close()
