@@ -138,7 +138,8 @@ def test_retry_now_ends_a_dead_ranks_back_off(monkeypatch):
 
 
 def test_a_dead_rank_of_an_expert_parallel_deployment_is_replaced(fast):
-    """Like a dense rank's: the coordinator's ExpertGroups re-forms the group once the replacement registered."""
+    """Like a dense rank's, but a first death with no back-off (the whole group waits for it): the coordinator's
+    ExpertGroups re-forms the group once the replacement registered."""
 
     async def scenario():
         registry = Registry(1)
@@ -147,8 +148,8 @@ def test_a_dead_rank_of_an_expert_parallel_deployment_is_replaced(fast):
         registry.engine_starting(0)
         await sup.start(0)
         launcher.kill(0)
-        await _until(lambda: registry.topology().engines[0].state == EngineState.DEAD)
         await _until(lambda: len(launcher.starts) == 2, timeout_s=2.0)
+        assert registry.topology().engines[0].deaths == {"killed": 1}
         await sup.close(1.0)
 
     asyncio.run(scenario())

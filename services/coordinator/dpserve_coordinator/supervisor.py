@@ -10,7 +10,8 @@ One watcher task per rank waits for the launcher to report that the rank's proce
     still retried; a rank that lives STABLE_S is healthy again. A replacement that cannot be launched is retried
     the same way. Only a rank that dies before it ever registered is not restarted: `wait_ready` reports it to
     whoever is waiting for it (start-up or a scale-up). A rank of an expert-parallel deployment is replaced the
-    same way; the coordinator's ExpertGroups re-forms the group once the replacement registered.
+    same way (a first death with no back-off: the whole group waits for it); the coordinator's ExpertGroups re-forms
+    the group once the replacement registered.
 
 `wait_ready` is the one "wait until these ranks are READY by a deadline, name the missing ones", used by the
 coordinator's start-up and by a scale-up.
@@ -279,6 +280,8 @@ class RankSupervisor:
         failed = quick_deaths > self._settings.max_engine_restarts
         self._registry.set_restarts(rank, restarts, failed)
         delay = min(MAX_RESTART_DELAY_S, RESTART_DELAY_S * 2 ** (quick_deaths - 1))
+        if self._settings.enable_expert_parallel and quick_deaths == 1:
+            delay = 0.0  # every rank of the group waits for this one: a first death is replaced at once
         if failed:
             log.error("rank %d: FAILED (a crash loop: %d deaths in a row within %.0f s of a start; last: %s); "
                       "retrying in %.0f s (restart %d)", rank, quick_deaths, STABLE_S, reason, delay, restarts)  # fmt: skip
