@@ -134,3 +134,20 @@ def test_a_failed_exchange_commits_no_token(model_info):
     core.set_expert_comm(GroupOfOne())
     outputs = core.step()
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", FinishReason.LENGTH)]
+
+
+def test_a_rank_removed_from_the_group_steps_no_more_whatever_the_coordinator_publishes(model_info):
+    """A scale-down's removed rank (ExpertGroup rank -1) drains without the group: a LoadSnapshot saying the wave
+    runs (rule (h)) must not make it a rank with a wave to step in (its drain would never end)."""
+    core = NullEngineCore(model_info)
+    group = GroupOfOne()
+    core.set_expert_comm(group)
+    lockstep = Lockstep(2, group, core)
+    message = ExpertGroup("127.0.0.1", 1, 2, -1, generation=2, wave=3)
+    lockstep.membership.on_group(message)
+    lockstep.membership.on_sync(2)
+    lockstep.leave()
+    lockstep.regroup(None, message.wave)
+    lockstep.membership.on_joined(message)
+    assert lockstep.waves.on_snapshot(3, True)
+    assert not lockstep.can_step and lockstep.group is None

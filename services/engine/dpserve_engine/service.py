@@ -257,8 +257,9 @@ class EngineService:
         self.frontends.flush(self._load())
 
     def _has_work(self) -> bool:
-        """Requests to step, or (lock-step) a wave to step in: the other ranks' collectives wait for this one."""
-        return self.core.has_unfinished() or (self.lockstep is not None and self.waves.running)
+        """Requests to step, or (lock-step) a wave to step in: the other ranks' collectives wait for this one (not
+        once the rank left the group: a scale-down's removed rank drains without it)."""
+        return self.core.has_unfinished() or (self.lockstep is not None and self.lockstep.can_step)
 
     def _lockstep_step(self) -> None:
         """One lock-step step (lockstep.py). A failure leaves the ranks' collectives out of step: the rank leaves
