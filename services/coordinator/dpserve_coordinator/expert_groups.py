@@ -18,8 +18,8 @@ Repair (`watch`, a task): the group is broken when a member's engine is DEAD or 
 replaces a dead rank as for dense models; once every member is READY again, and each has been heard from since
 the break was seen (a survivor's report usually comes before the supervisor sees the death: re-forming then
 would send the dead engine its ExpertGroup and leave the others waiting in the join), the group is re-formed with
-the same ranks. The survivors meanwhile keep their requests without stepping (their collectives with the dead rank failed
-at once: its sockets closed), and frontends re-send the dead rank's requests to them (engine_pool.py).
+the same ranks. The survivors meanwhile keep their requests without stepping (their collectives with the dead rank
+failed at once: its sockets closed), and frontends re-send the dead rank's requests to them (engine_pool.py).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ class ExpertGroups:
         """The ranks' engines outlived a coordinator before this one, in a group of a generation this one does not
         know: count on from one surely later (the wall clock's seconds), with them as the members."""
         self.generation = max(self.generation, int(time.time()))
-        self.members = {rank: self._registry.engines[rank].engine_id for rank in ranks if rank in self._registry.engines}
+        engines = self._registry.engines
+        self.members = {rank: engines[rank].engine_id for rank in ranks if rank in engines}
 
     # -- forming ------------------------------------------------------------------------------------------------
 
