@@ -102,35 +102,48 @@ def _pinned_stream_events(url: str, max_tokens: int, rank: int, times: list[floa
         done["error"] = repr(e)
 
 
-def test_killing_a_rank_under_load_re_forms_the_group_with_its_replacement_and_fails_no_request(ep_server):
+@pytest.mark.parametrize("size, victim", [(2, 1), (3, 0)], ids=["dp2-rank1", "dp3-rank0"])
+def test_killing_a_rank_under_load_re_forms_the_group_with_its_replacement_and_fails_no_request(
+        size, victim, serve_factory, request, server_log_on_failure):  # fmt: skip
+    """DP=3, rank 0: the group's TCPStore host and WaveComplete sender dies, and the two survivors' collectives
+    with each other fail only when the other one tears its group down."""
+    serve_factory.close()
+    ep_server = serve_factory(backend="mp", data_parallel_size=size, api_server_count=2, null_engine=True,
+                              extra_args=EP_ARGS)  # fmt: skip
+    request.node.serve = ep_server
     url = ep_server.url
+    survivor_rank = size - 1 if victim == 0 else 0
     times: list[float] = []
     done: dict = {}
-    survivor = threading.Thread(target=_pinned_stream_events, args=(url, 600, 0, times, done), daemon=True)
+    survivor = threading.Thread(target=_pinned_stream_events, args=(url, 600, survivor_rank, times, done),
+                                daemon=True)  # fmt: skip
     with StreamLoad(url, num_threads=4, max_tokens=(10, 40)) as load:
         wait_for(lambda: load.num_ok >= 4, 60, "the load to get going")
         survivor.start()
-        wait_for(lambda: len(times) >= 20, 30, "the pinned stream on rank 0 to run")
-        victim = _engine_pids(ep_server)[1]
+        wait_for(lambda: len(times) >= 20, 30, f"the pinned stream on rank {survivor_rank} to run")
+        victim_pid = _engine_pids(ep_server)[victim]
         killed_s = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: (_engine_pids(ep_server).get(1) not in (None, victim)
-                          and all(_serving_ranks(url) == [0, 1] for _ in range(4))), 90,
-                 "a replacement rank 1 serving")  # fmt: skip
+        os.kill(victim_pid, signal.SIGKILL)
+        wait_for(lambda: (_engine_pids(ep_server).get(victim) not in (None, victim_pid)
+                          and all(_serving_ranks(url) == list(range(size)) for _ in range(4))), 90,
+                 f"a replacement rank {victim} serving")  # fmt: skip
         served = dict(_successes(url))
-        wait_for(lambda: _successes(url).get(1, 0) >= served.get(1, 0) + 2, 60, "the replacement to serve requests")
+        wait_for(lambda: _successes(url).get(victim, 0) >= served.get(victim, 0) + 2, 60,
+                 "the replacement to serve requests")  # fmt: skip
         survivor.join(120)
         wait_for(lambda: load.num_ok >= 20, 60, "more load after the replacement")
     assert done.get("ok") and len(times) == 600, (done, len(times))  # the survivor's request kept every token
     # the survivor's stream goes silent when its collective fails (a step after the kill), until the re-formation
     gap_s, resumed_s = max((b - a, b) for a, b in zip(times, times[1:]) if b > killed_s)
-    print(f"\nkill -> first token of the survivor's stream after the re-formation: {resumed_s - killed_s:.2f} s "
+    print(f"\nDP={size}, rank {victim} killed -> first token of rank {survivor_rank}'s stream after the re-formation: "
+          f"{resumed_s - killed_s:.2f} s "
           f"(its silence {gap_s:.2f} s)")
     assert load.failures == [], load.failures[:5]
     log = ep_server.log()
     assert "left the expert-parallel group of generation 1" in log  # the survivor's collective failed
-    assert "expert-parallel group, generation 2: 2 ranks joined" in log
+    assert f"expert-parallel group, generation 2: {size} ranks joined" in log
     assert "expert-parallel group repaired" in log
+    serve_factory.close()
 
 
 def _engine_pid(server, rank: int) -> int | None:
