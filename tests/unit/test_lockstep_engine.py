@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dpserve_engine.interface import EngineCoreBase
-from dpserve_engine.lockstep import Lockstep
+from dpserve_engine.lockstep import Lockstep, SyncFailed
 from dpserve_engine.null_core import NULL_EP_NUM_LAYERS, NullEngineCore
 from dpserve_shared.schema import EngineRequest, ExpertGroup, FinishReason, SamplingParams
 
@@ -151,3 +151,19 @@ def test_a_rank_removed_from_the_group_steps_no_more_whatever_the_coordinator_pu
     lockstep.membership.on_joined(message)
     assert lockstep.waves.on_snapshot(3, True)
     assert not lockstep.can_step and lockstep.group is None
+
+
+def test_a_failed_sync_after_a_good_step_hands_over_the_step_outputs(model_info):
+    class SyncBreaks(GroupOfOne):
+        def all_reduce_sync(self, has_unfinished, generation):
+            raise RuntimeError("peer closed")
+
+    core = NullEngineCore(model_info)
+    group = SyncBreaks()
+    core.set_expert_comm(group)
+    lockstep = Lockstep(0, group, core, sync_interval_steps=1)
+    core.add_request(_request("a", 1))
+    lockstep.waves.on_request(0)
+    with pytest.raises(SyncFailed) as caught:
+        lockstep.step()
+    assert [(o.request_id, o.finish_reason) for o in caught.value.outputs] == [("a", FinishReason.LENGTH)]

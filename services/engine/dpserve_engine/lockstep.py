@@ -45,6 +45,15 @@ if TYPE_CHECKING:  # it imports torch, which a dense null engine never loads
 log = logging.getLogger("dpserve.engine")
 
 
+class SyncFailed(RuntimeError):
+    """The all-reduce after a step failed (the group broke); the step itself succeeded: its `outputs` (tokens the
+    core committed) must still reach their frontends."""
+
+    def __init__(self, outputs: list[RequestOutput], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.outputs = outputs
+
+
 class Lockstep:
     def __init__(self, rank: int, group: ExpertGroup, core: EngineCoreBase,
                  sync_interval_steps: int = SYNC_INTERVAL_STEPS):  # fmt: skip
@@ -80,7 +89,8 @@ class Lockstep:
 
     def step(self) -> tuple[list[RequestOutput], int | None]:
         """One step of the running wave (the core's, or a dummy one), then the all-reduce when it is due. Returns
-        the step's outputs and the wave that completed after it, if one did."""
+        the step's outputs and the wave that completed after it, if one did. Raises what the step raised (nothing
+        committed), or SyncFailed (with the step's outputs) when the all-reduce failed."""
         if self.core.has_unfinished():
             outputs = self.core.step()
         else:
@@ -89,8 +99,11 @@ class Lockstep:
             outputs = []
         completed = None
         if self.waves.on_step():
-            has_unfinished, generation = self.group.all_reduce_sync(self.core.has_unfinished(),
-                                                                    self.membership.sync_generation)
+            try:
+                has_unfinished, generation = self.group.all_reduce_sync(self.core.has_unfinished(),
+                                                                        self.membership.sync_generation)
+            except Exception as e:  # noqa: BLE001 - torch raises several kinds
+                raise SyncFailed(outputs, e) from e
             completed = self.waves.on_sync(has_unfinished)
             if self.membership.on_sync(generation):
                 log.info("leaving the expert-parallel group of generation %d for generation %d at this step's sync "

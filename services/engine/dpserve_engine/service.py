@@ -74,7 +74,7 @@ from dpserve_engine.coordinator_link import CoordinatorLink, RegistrationFailed
 from dpserve_engine.frontend_link import FrontendLink
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest
 from dpserve_engine.lifecycle import Lifecycle, ProcessState
-from dpserve_engine.lockstep import Lockstep, hold
+from dpserve_engine.lockstep import Lockstep, SyncFailed, hold
 from dpserve_engine.progress import Ticker
 from dpserve_engine.settings import ServiceSettings, build_parser, config_from_args, settings_from_args
 from dpserve_engine.threads import ThreadBudget
@@ -270,6 +270,8 @@ class EngineService:
         try:
             outputs, completed = self.lockstep.step()
         except Exception as e:  # noqa: BLE001
+            if isinstance(e, SyncFailed):
+                self.frontends.collect(e.outputs)  # the step itself went through: its tokens are committed
             self._num_failed_steps += 1
             log.exception("lock-step step failed (%d in a row)", self._num_failed_steps)
             if self._num_failed_steps >= MAX_FAILED_STEPS:
