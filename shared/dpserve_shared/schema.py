@@ -254,6 +254,7 @@ class RegisterEngine(_Msg, tag="register_engine"):
     node_ip: str = ""
     pid: int = 0
     block_size: int = 0  # tokens per KV block: what its prefix cache hashes (dpserve_shared.block_hash)
+    num_experts: int = 0  # an MoE model's experts (0: dense, or any): an expert-parallel size must divide it
 
 
 class RegisterFrontend(_Msg, tag="register_frontend"):

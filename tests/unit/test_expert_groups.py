@@ -128,3 +128,18 @@ def test_a_stale_or_foreign_broken_report_is_ignored():
         assert not groups._reported_broken
 
     asyncio.run(scenario())
+
+
+def test_a_scale_to_a_size_that_does_not_divide_the_experts_is_refused():
+    from dpserve_coordinator.scaling import Scaler
+    from dpserve_shared.schema import ScaleRequest
+
+    registry = Registry(2)
+    for rank in range(2):
+        registry.register_engine(RegisterEngine(PROTOCOL_VERSION, rank, f"e{rank}", f"tcp://h:{rank}", MODEL,
+                                                num_experts=4), 0.0)  # fmt: skip
+    groups = ExpertGroups(registry, LockstepCoordinatorWaves(), None, None, "127.0.0.1")
+    scaler = Scaler(registry, None, None, 10.0, groups)
+    scaler.open()
+    ack = scaler.request("admin", ScaleRequest(3), "tcp://h:1")
+    assert not ack.accepted and "must divide the model's 4 experts" in ack.error and "got 3" in ack.error

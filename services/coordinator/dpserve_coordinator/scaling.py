@@ -118,6 +118,10 @@ class Scaler:
             return refuse(f"--drain-timeout must not be negative, got {msg.drain_timeout_s:g}")
         if self._refusal is not None:
             return refuse(self._refusal)
+        num_experts = max((e.num_experts for e in registry.engines.values()), default=0)
+        if self._expert_groups is not None and num_experts and num_experts % target:
+            return refuse(f"--data-parallel-size must divide the model's {num_experts} experts (expert parallelism "
+                          f"gives each rank the same number), got {target}")
         if self.is_scaling:
             return refuse(
                 f"a scale to {self._target} is in progress (for {time.monotonic() - self._started_s:.0f} s); "

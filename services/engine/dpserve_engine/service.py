@@ -130,6 +130,7 @@ class EngineService:
             node_ip=self.frontends.node_ip,
             pid=os.getpid(),
             block_size=self.core.block_size,
+            num_experts=self.core.num_experts,
         )
         ack = self.coordinator.register(registration, lambda: self.lifecycle.is_stopped or self._parent_died())
         self._on_registered(ack)
