@@ -4,7 +4,7 @@ scatter_sum over a real gloo group), mp backend, 2 API servers, streaming load a
 request.
 
 - scaling 2 -> 3 (`dpserve scale`) -> 2 (vLLM's POST /scale_elastic_ep): each step re-forms the group (generation
-  2, then 3) with the new world size; the new rank serves; the removed one drains and exits;
+  2, then 3) with the new world size; the new rank serves; the removed one drains and exits (mp and ray);
 - SIGKILL of a rank: the survivors' collectives fail at once, they keep their requests, the supervisor starts a
   replacement, the coordinator re-forms the group with it; a stream pinned to the survivor loses no token, and its
   longest silence is the interruption (printed; docs/benchmarks.md "session 11: elastic EP");
@@ -30,10 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 EP_ARGS = ("--enable-expert-parallel", "--null-step-time-ms", "20")
 
 
-@pytest.fixture
+@pytest.fixture(params=["mp", pytest.param("ray", marks=pytest.mark.ray)])
 def ep_server(serve_factory, request, server_log_on_failure):
-    serve_factory.close()  # one deployment at a time on 2 cores; this one is scaled or loses a rank
-    server = serve_factory(backend="mp", data_parallel_size=2, api_server_count=2, null_engine=True,
+    serve_factory.close()  # one deployment at a time on 2 cores; this one is scaled
+    server = serve_factory(backend=request.param, data_parallel_size=2, api_server_count=2, null_engine=True,
                            extra_args=EP_ARGS)  # fmt: skip
     request.node.serve = server
     yield server
@@ -62,13 +62,13 @@ def test_scaling_2_to_3_to_2_under_load_re_forms_the_group_and_fails_no_request(
         assert up.returncode == 0, up.stdout + up.stderr
         wait_for(lambda: all(_serving_ranks(url) == [0, 1, 2] for _ in range(4)), 20, "ranks 0, 1, 2 serving")
         wait_for(lambda: _successes(url).get(2, 0) >= 2, 60, "the new rank 2 to serve requests")
-        pids = _engine_pids(ep_server)
+        pid_2 = _engine_pid(ep_server, 2)
 
         status, body = _post_json(url + "/scale_elastic_ep", {"new_data_parallel_size": 2})
         assert status == 200, body
         assert body["message"] == "Scaled to 2 data parallel engines"
         wait_for(lambda: all(_serving_ranks(url) == [0, 1] for _ in range(4)), 20, "rank 2 to leave")
-        wait_for(lambda: not _alive(pids[2]), 20, "the removed rank's engine to exit")
+        wait_for(lambda: not _alive(pid_2), 20, "the removed rank's engine to exit")
         served = dict(_successes(url))
         wait_for(lambda: load.num_ok >= 20 and _successes(url).get(1, 0) > served.get(1, 0), 60,
                  "ranks 0 and 1 to serve in the re-formed group of 2")  # fmt: skip
