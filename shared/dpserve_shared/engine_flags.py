@@ -72,7 +72,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "--enable-expert-parallel", "switch",
         "expert parallelism across the data-parallel ranks (vLLM's flag): the ranks form one torch.distributed "
         "group and step in lock-step waves (a rank without requests runs dummy steps while any rank has work); "
-        "needs a mixture-of-experts model or --null-engine. Scaling and replacing ranks are not supported yet",
+        "needs a mixture-of-experts model or --null-engine. `dpserve scale` and a dead rank's replacement re-form "
+        "the group",
     ),
     EngineFlag("--null-engine", "switch", "no model: tokens on a fixed step time (benchmarks, simulation)"),
     EngineFlag("--null-step-time-ms", float, "the null engine's step time"),

@@ -254,6 +254,7 @@ class RegisterEngine(_Msg, tag="register_engine"):
     node_ip: str = ""
     pid: int = 0
     block_size: int = 0  # tokens per KV block: what its prefix cache hashes (dpserve_shared.block_hash)
+    num_experts: int = 0  # an MoE model's experts (0: dense, or any): an expert-parallel size must divide it
 
 
 class RegisterFrontend(_Msg, tag="register_frontend"):
@@ -369,13 +370,38 @@ class ScaleAck(_Msg, tag="scale_ack"):
 class ExpertGroup(_Msg, tag="expert_group"):
     """Coordinator -> each engine (control) of an --enable-expert-parallel deployment, once every rank has
     registered: form the torch.distributed group at rank 0's node `host` and `port` (picked by the coordinator),
-    as `rank` of `world_size`, giving up after `timeout_s` (also each collective's timeout)."""
+    as `rank` of `world_size`, giving up after `timeout_s` (also each collective's timeout).
+
+    Re-forming (elastic EP: a scale step, a dead rank's replacement; docs/architecture.md "Re-forming the
+    expert-parallel group"): a later `generation` replaces the rank's group. `leave_now` False: the members leave
+    the old group together at the step where their all-reduce first sees the new generation; True (the old group
+    is broken: a member died): at once. `rank` -1: leave and join no group (a rank a scale-down removes). After
+    joining, every member steps in wave `wave` from its first step on."""
 
     host: str
     port: int
     world_size: int
     rank: int
     timeout_s: float = 120.0
+    generation: int = 0
+    leave_now: bool = False
+    wave: int = 0
+
+
+class ExpertGroupJoined(_Msg, tag="expert_group_joined"):
+    """Engine -> coordinator: this rank is now in the expert-parallel group of `generation` (or, `is_member`
+    False, left the previous one and joined none, as its ExpertGroup asked)."""
+
+    generation: int
+    is_member: bool = True
+
+
+class ExpertGroupBroken(_Msg, tag="expert_group_broken"):
+    """Engine -> coordinator: a step's collective failed in the group of `generation` (a peer died, or the model
+    raised); the rank left the group, keeps its requests and waits for the next ExpertGroup."""
+
+    generation: int
+    reason: str = ""
 
 
 class FrontendGone(_Msg, tag="frontend_gone"):
@@ -461,6 +487,8 @@ ToCoordinator = (
     | KvEvents
     | KvIndexRequest
     | RoutedRequests
+    | ExpertGroupJoined
+    | ExpertGroupBroken
 )
 FromCoordinator = (
     Topology

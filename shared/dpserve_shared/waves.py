@@ -160,6 +160,14 @@ class LockstepCoordinatorWaves(CoordinatorWaves):
     def on_loads(self, ranks_running: list[bool]) -> int | None:
         return None  # (g)
 
+    def on_regroup(self) -> int:
+        """The expert-parallel group is re-formed (elastic EP, a replaced rank): its members step from their join
+        on in a wave newer than any of theirs (a rank is at most one wave ahead of the coordinator: its
+        WaveComplete in flight, which is then stale). Returns that wave, now running."""
+        self.wave += 1
+        self.running = True
+        return self.wave
+
 
 @dataclasses.dataclass
 class LockstepEngineWaves:
@@ -208,6 +216,22 @@ class LockstepEngineWaves:
         """A step (real or dummy) ran; True when the all-reduce of "has unfinished" is due after it."""
         self.num_steps += 1
         return self.num_steps % self.sync_interval_steps == 0
+
+    def start_to_sync(self) -> None:
+        """A newer group is pending: step (dummy steps if need be) to the next all-reduce, where the ranks agree
+        to leave the old group together."""
+        self._start()
+
+    def on_leave(self) -> None:
+        """The rank left its group (agreed, or the group broke): it stops stepping; the wave is not complete."""
+        self.running = False
+        self.num_steps = 0
+
+    def on_regroup(self, wave: int) -> None:
+        """The rank joined a re-formed group: every member steps in `wave` from its first step on."""
+        self.wave = wave
+        self.running = True
+        self.num_steps = 0
 
     def on_sync(self, any_rank_unfinished: bool) -> int | None:
         """The all-reduce's answer (the same on every rank). Returns the wave that completed, if it did."""

@@ -6,8 +6,8 @@ What must hold: 100 concurrent requests all finish with exact token counts; burs
 pause and restart the ranks; with every request pinned to one rank the other keeps stepping (dummy steps) and
 nothing hangs; when idle the dummy-step counter stops; a request that arrives exactly as a wave completes is
 served (the race injected with the engines' test hook $DPSERVE_TEST_HOLD_PAUSE_S: the first pause is held, after
-the ranks published their new wave and before rank 0's WaveComplete, until a request is pending); scaling is
-refused with an error that says it is not supported yet.
+the ranks published their new wave and before rank 0's WaveComplete, until a request is pending). Scaling and a
+rank's death re-form the group: test_elastic_ep.py.
 """
 
 from __future__ import annotations
@@ -126,15 +126,6 @@ def test_every_request_pinned_to_one_rank_keeps_the_other_stepping_and_idle_stop
     # idle: no rank steps, so the counter stays where it is
     time.sleep(2.0)
     assert engine_metrics(url)["dpserve:engine_dummy_steps_total"] == after
-
-
-def test_scaling_an_expert_parallel_deployment_is_refused(ep_server):
-    body = json.dumps({"new_data_parallel_size": 3}).encode()
-    request = urllib.request.Request(ep_server.url + "/scale_elastic_ep", body, {"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as caught:
-        urllib.request.urlopen(request, timeout=30)
-    assert caught.value.code == 503
-    assert "not supported yet" in caught.value.read().decode()
 
 
 def test_request_arriving_exactly_as_a_wave_completes_is_served(serve_factory, tmp_path, monkeypatch):

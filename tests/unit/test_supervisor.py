@@ -137,9 +137,9 @@ def test_retry_now_ends_a_dead_ranks_back_off(monkeypatch):
     asyncio.run(scenario())
 
 
-def test_a_dead_rank_of_an_expert_parallel_deployment_is_not_replaced(fast, caplog):
-    """Re-forming the expert-parallel group with a replacement is not supported yet: the rank stays DEAD, with an
-    error saying so, instead of a replacement that would hang waiting for a group that is gone."""
+def test_a_dead_rank_of_an_expert_parallel_deployment_is_replaced(fast):
+    """Like a dense rank's, but a first death with no back-off (the whole group waits for it): the coordinator's
+    ExpertGroups re-forms the group once the replacement registered."""
 
     async def scenario():
         registry = Registry(1)
@@ -148,11 +148,8 @@ def test_a_dead_rank_of_an_expert_parallel_deployment_is_not_replaced(fast, capl
         registry.engine_starting(0)
         await sup.start(0)
         launcher.kill(0)
-        await _until(lambda: registry.topology().engines[0].state == EngineState.DEAD)
-        await asyncio.sleep(0.1)  # longer than the fast back-off: a replacement would have started
-        assert len(launcher.starts) == 1
+        await _until(lambda: len(launcher.starts) == 2, timeout_s=2.0)
+        assert registry.topology().engines[0].deaths == {"killed": 1}
         await sup.close(1.0)
 
-    with caplog.at_level("ERROR", logger="dpserve.coordinator"):
-        asyncio.run(scenario())
-    assert "not supported yet" in caplog.text
+    asyncio.run(scenario())

@@ -288,3 +288,23 @@ def test_newer_wave_asked_while_paused_is_adopted_and_started():
     assert coordinator.on_start_request(StartWaveRequest(3, 0)) == StartWave(3, exclude_rank=0)
     assert (coordinator.wave, coordinator.running) == (3, True)
     assert coordinator.on_start_request(StartWaveRequest(3, 1)) is None  # already running that wave
+
+
+def test_re_forming_the_group_moves_everybody_to_a_new_running_wave_and_the_old_completion_is_stale():
+    """Elastic EP: the coordinator re-forms in a wave newer than any rank's (one may be a wave ahead, its
+    WaveComplete in flight), running; the members leave at their sync without completing a wave, then step in it
+    from step 0 on."""
+    coordinator = LockstepCoordinatorWaves(wave=3, running=True)
+    ahead = LockstepEngineWaves(rank=0, sync_interval_steps=2, wave=4)  # its WaveComplete(3) still in flight
+    behind = LockstepEngineWaves(rank=1, sync_interval_steps=2, wave=3, running=True, num_steps=1)
+    wave = coordinator.on_regroup()
+    assert (wave, coordinator.running) == (4, True)
+    ahead.start_to_sync()
+    assert ahead.running and ahead.num_steps == 0
+    behind.on_leave()
+    assert (behind.wave, behind.running, behind.num_steps) == (3, False, 0)  # not a completion
+    for rank in (ahead, behind):
+        rank.on_regroup(wave)
+        assert (rank.wave, rank.running, rank.num_steps) == (4, True, 0)
+    assert not coordinator.on_wave_complete(3)  # the completion from before the re-formation
+    assert coordinator.on_wave_complete(4) and (coordinator.wave, coordinator.running) == (5, False)

@@ -70,6 +70,7 @@ class EngineEntry:
     deaths: dict[str, int] = dataclasses.field(default_factory=dict)  # by death_kind()
     step_changed_s: float = 0.0  # when its load's step counter last moved (or it registered)
     block_size: int = 0
+    num_experts: int = 0
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -151,6 +152,7 @@ class Registry:
             pid=msg.pid,
             kv_blocks_total=msg.kv_blocks_total,
             block_size=msg.block_size,
+            num_experts=msg.num_experts,
             last_seen_s=now_s,
             step_changed_s=now_s,
             # the rank's history (the supervisor's): a replacement keeps the count and the crash-loop mark

@@ -22,6 +22,14 @@ Scale down to K (every rank >= K, highest first, all drained together):
      the actor stops the engine, the actor is killed, the placement group removed); the rank is removed from the
      topology. Frontends then drop the rank; a request it never answered (no token yet) is re-sent elsewhere.
 
+Expert parallelism (--enable-expert-parallel; expert_groups.py): the ranks' group has a fixed world size, so a
+step re-forms it (pause, not drain: the ranks keep their requests and stop stepping only for the re-formation).
+Up: once every new rank is READY (registered, waiting for its group), every rank 0..K-1 gets the new group; the
+old ones leave theirs at the step their all-reduce agrees on, all join the new one (the experts re-shard:
+EngineCore.set_expert_comm) and step on; the step completes when every rank has joined. Down: after step 2's
+drain, ranks 0..K-1 get the new group and each removed rank an ExpertGroup with rank -1 (leave at the agreed
+step, join none); once all answered, steps 3 and 4 stop the removed ranks as for dense models.
+
 The coordinator opens the scaler once every rank of the start-up is READY and closes it when it stops; the
 scaler answers the requester's second ScaleAck through the `reply` it was given.
 """
@@ -35,6 +43,7 @@ from collections.abc import Awaitable, Callable
 
 from dpserve_shared.schema import MAX_DATA_PARALLEL_SIZE, EngineState, ScaleAck, ScaleRequest, Shutdown
 
+from dpserve_coordinator.expert_groups import ExpertGroups, FormationFailed
 from dpserve_coordinator.launcher import LaunchError
 from dpserve_coordinator.registry import Registry
 from dpserve_coordinator.supervisor import RankSupervisor
@@ -61,8 +70,9 @@ class Scaler:
     """Runs one scale step at a time; the step's outcome goes back to its requester."""
 
     def __init__(self, registry: Registry, supervisor: RankSupervisor, reply: Reply,
-                 engine_startup_timeout_s: float):
+                 engine_startup_timeout_s: float, expert_groups: ExpertGroups | None = None):
         self._registry = registry
+        self._expert_groups = expert_groups  # --enable-expert-parallel: each step re-forms the group
         self._supervisor = supervisor
         self._reply = reply
         self._engine_startup_timeout_s = engine_startup_timeout_s
@@ -79,10 +89,6 @@ class Scaler:
         """Every rank of the start-up is READY: requests are taken from now on."""
         if self._refusal == _NOT_OPEN:
             self._refusal = None
-
-    def refuse_always(self, reason: str) -> None:
-        """Refuse every request with `reason` (an expert-parallel deployment cannot be scaled yet)."""
-        self._refusal = reason
 
     def close(self) -> None:
         """The coordinator is stopping: refuse requests from now on and cancel a step in progress (its requester
@@ -112,6 +118,10 @@ class Scaler:
             return refuse(f"--drain-timeout must not be negative, got {msg.drain_timeout_s:g}")
         if self._refusal is not None:
             return refuse(self._refusal)
+        num_experts = max((e.num_experts for e in registry.engines.values()), default=0)
+        if self._expert_groups is not None and num_experts and num_experts % target:
+            return refuse(f"--data-parallel-size must divide the model's {num_experts} experts (expert parallelism "
+                          f"gives each rank the same number), got {target}")
         if self.is_scaling:
             return refuse(
                 f"a scale to {self._target} is in progress (for {time.monotonic() - self._started_s:.0f} s); "
@@ -146,6 +156,8 @@ class Scaler:
                 await self._scale_up(add)
             if remove:
                 await self._scale_down(remove, drain_timeout_s)
+            elif add:
+                await self._regroup([])
         except ScaleFailed as e:
             log.error("scale to %d failed after %.1f s: %s", target, time.monotonic() - self._started_s, e)
             ack = ScaleAck(accepted=False, error=str(e), data_parallel_size=registry.data_parallel_size,
@@ -193,8 +205,22 @@ class Scaler:
         log.info("scale: ranks %s DRAINING: frontends send them nothing new; waiting for their requests", ranks)
         deadline = time.monotonic() + drain_timeout_s
         await self._wait_idle(ranks, deadline)
+        await self._regroup(ranks)
         final_drain_s = max(MIN_FINAL_DRAIN_S, deadline - time.monotonic())
         await asyncio.gather(*(self._remove(rank, final_drain_s) for rank in ranks))
+
+    async def _regroup(self, leavers: list[int]) -> None:
+        """Expert parallelism: re-form the group with every rank that stays (the removed `leavers` leave it)."""
+        if self._expert_groups is None:
+            return
+        registry = self._registry
+        leavers = [rank for rank in leavers if rank in registry.engines and registry.engines[rank].engine_id
+                   and registry.engines[rank].state != EngineState.DEAD]  # fmt: skip
+        members = sorted(rank for rank in registry.serving_engines() if rank not in leavers)
+        try:
+            await self._expert_groups.form(members, leavers)
+        except FormationFailed as e:
+            raise ScaleFailed(str(e)) from None
 
     async def _wait_idle(self, ranks: list[int], deadline: float) -> None:
         registry = self._registry

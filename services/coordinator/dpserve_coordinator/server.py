@@ -17,8 +17,8 @@ every subscriber) and shown in the coordinator's own /status.json (`--status-por
 Expert parallelism (--enable-expert-parallel): once every rank of the start-up has registered, each engine gets
 ExpertGroup on the control socket (rank 0's node address, a port picked here, the world size, its rank) and the
 ranks form their torch.distributed group; waves are lock-step (LockstepCoordinatorWaves): one ends only when
-rank 0 sends WaveComplete. Scaling such a deployment and replacing a dead rank are refused with an error (not
-supported yet: the group would have to be re-formed).
+rank 0 sends WaveComplete. A scale step re-forms the group with the new world size, and a dead rank's replacement
+re-forms it with the same ranks (expert_groups.py: ExpertGroup of a later generation, ExpertGroupJoined back).
 
 Rank supervision (start, watch, restart) is supervisor.py's; scaling (ScaleRequest from `dpserve scale`) is
 scaling.py's, one step at a time, once the coordinator is SERVING.
@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -45,7 +44,8 @@ from dpserve_shared.envelope import DeploymentGuard, frames
 from dpserve_shared.schema import (
     EngineState,
     EngineStats,
-    ExpertGroup,
+    ExpertGroupBroken,
+    ExpertGroupJoined,
     FrontendGone,
     Heartbeat,
     KvEvents,
@@ -62,9 +62,9 @@ from dpserve_shared.schema import (
     Unregister,
     WaveComplete,
 )
-from dpserve_shared.timing import EXPERT_GROUP_TIMEOUT_S
 from dpserve_shared.waves import CoordinatorWaves, LockstepCoordinatorWaves
 
+from dpserve_coordinator.expert_groups import ExpertGroups, FormationFailed
 from dpserve_coordinator.kv_index import KvIndex
 from dpserve_coordinator.launcher import EngineLauncher, LaunchError
 from dpserve_coordinator.registry import Registry, RegistrationRefused
@@ -94,28 +94,8 @@ _LOOK_FOR_ENGINES_S = 1.5  # an engine left running heartbeats every second, to 
 _STALL_S = 0.5  # the publish loop ticks every 20 ms: a longer gap means this process was not running
 
 
-EP_SCALING_UNSUPPORTED = ("scaling an expert-parallel deployment (--enable-expert-parallel) is not supported yet: "
-                          "its ranks' process group would have to be re-formed")
-
-
 class StartupFailed(Exception):
     pass
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (the expert-parallel group's; rank 0 binds it when it joins)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _is_local(host: str) -> bool:
-    try:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-        return True
-    except OSError:
-        return False
 
 
 class PublishCounts:
@@ -157,8 +137,13 @@ class Coordinator:
             stall_timeout_s=settings.engine_stall_timeout_s,
         )
         self.supervisor = RankSupervisor(self.registry, settings, launcher)  # the backend's launcher when None
-        self.scaler = Scaler(self.registry, self.supervisor, self.reply, settings.engine_startup_timeout_s)
         self.waves = LockstepCoordinatorWaves() if settings.enable_expert_parallel else CoordinatorWaves()
+        # --enable-expert-parallel: the group's formations (the first, scale steps', repairs)
+        self.expert_groups = (ExpertGroups(self.registry, self.waves, self.reply, self._publish,
+                                           settings.data_parallel_address)
+                              if settings.enable_expert_parallel else None)  # fmt: skip
+        self.scaler = Scaler(self.registry, self.supervisor, self.reply, settings.engine_startup_timeout_s,
+                             self.expert_groups)  # fmt: skip
         self.kv_index = KvIndex(index_id=time.time_ns() // 1_000_000)  # a restarted coordinator's is another
         self.reservations = Reservations()  # routed work not yet reported by the engines, on every LoadSnapshot
         self.ctx = zmq.asyncio.Context()
@@ -212,6 +197,8 @@ class Coordinator:
         if self.state in (CoordinatorState.STARTING, CoordinatorState.SERVING):
             self.state = CoordinatorState.DRAINING
             self.scaler.close()
+            if self.expert_groups is not None:
+                self.expert_groups.close()
             self.supervisor.stop_restarts()
             self._stop_requested.set()
 
@@ -299,23 +286,23 @@ class Coordinator:
         self._write_ready_file()
         self.state = CoordinatorState.SERVING
         self.scaler.open()
-        if settings.enable_expert_parallel:
-            self.scaler.refuse_always(EP_SCALING_UNSUPPORTED)
+        if self.expert_groups is not None:
+            self._tasks.append(asyncio.create_task(self.expert_groups.watch(), name="expert-group-repair"))
 
     async def _form_expert_group(self, ranks: list[int], adopted: set[int]) -> None:
-        """ExpertGroup to every rank: rank 0's node, a port free there (picked here; rank 0's node is this one
-        unless Ray placed it elsewhere, where the port is only likely free), the world size and the rank. Engines
-        re-attached from a coordinator before this one are in their group already: nothing is sent (a rank started
-        anew beside them cannot join it; it gives up after its --register-timeout-s, which names the reason)."""
+        """The first formation (expert_groups.py): ExpertGroup to every rank (rank 0's node, a port free there:
+        picked here; rank 0's node is this one unless Ray placed it elsewhere, where the port is only likely free),
+        done when each joined. Engines re-attached from a coordinator before this one are in their group already:
+        nothing is sent, and a later formation counts on from a generation surely newer than theirs (a rank
+        started anew beside them waits for one: the repair re-forms the group when every rank serves)."""
         if adopted:
             log.info("expert-parallel group: re-attached ranks %s are in theirs already", sorted(adopted))
+            self.expert_groups.adopt(sorted(adopted))
             return
-        host = self.registry.engines[ranks[0]].node_ip or self.settings.data_parallel_address
-        port = free_port(host if _is_local(host) else self.settings.data_parallel_address)
-        log.info("expert-parallel group of %d ranks at tcp://%s:%d", len(ranks), host, port)
-        for rank in ranks:
-            engine = self.registry.engines[rank]
-            await self.reply(engine.engine_id, ExpertGroup(host, port, len(ranks), rank, EXPERT_GROUP_TIMEOUT_S))
+        try:
+            await self.expert_groups.form(ranks)
+        except FormationFailed as e:
+            raise StartupFailed(str(e)) from None
 
     async def _reattach(self, ranks: list[int]) -> set[int]:
         """The ranks whose engines outlived a coordinator before this one, watched again: the ray backend's named
@@ -485,6 +472,12 @@ class Coordinator:
             start = self.waves.on_start_request(msg)
             if start is not None:
                 self._publish(start)
+        elif isinstance(msg, ExpertGroupJoined):
+            if self.expert_groups is not None:
+                self.expert_groups.on_joined(sender, msg)
+        elif isinstance(msg, ExpertGroupBroken):
+            if self.expert_groups is not None:
+                self.expert_groups.on_broken(sender, msg)
         elif isinstance(msg, ScaleRequest):
             return self.scaler.request(sender, msg, self.pub_addr)
         elif isinstance(msg, KvEvents):

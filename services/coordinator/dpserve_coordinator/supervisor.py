@@ -9,9 +9,9 @@ One watcher task per rank waits for the launcher to report that the rank's proce
     deaths the rank is shown as FAILED (a crash loop, in the topology: /health, /metrics, the log) while it is
     still retried; a rank that lives STABLE_S is healthy again. A replacement that cannot be launched is retried
     the same way. Only a rank that dies before it ever registered is not restarted: `wait_ready` reports it to
-    whoever is waiting for it (start-up or a scale-up). Nor is a rank of an expert-parallel deployment
-    (--enable-expert-parallel): re-forming its process group with a replacement is not supported yet, so it stays
-    DEAD with an error in the log.
+    whoever is waiting for it (start-up or a scale-up). A rank of an expert-parallel deployment is replaced the
+    same way (a first death with no back-off: the whole group waits for it); the coordinator's ExpertGroups re-forms
+    the group once the replacement registered.
 
 `wait_ready` is the one "wait until these ranks are READY by a deadline, name the missing ones", used by the
 coordinator's start-up and by a scale-up.
@@ -238,11 +238,6 @@ class RankSupervisor:
             self._registry.mark_dead(rank, reason)
             if not self._has_registered(rank):
                 return  # failed before it ever came up: wait_ready reports it
-            if self._settings.enable_expert_parallel:
-                log.error("rank %d: not replaced: replacing a rank of an expert-parallel deployment "
-                          "(--enable-expert-parallel) is not supported yet (its process group would have to be "
-                          "re-formed); the other ranks' collectives fail and they exit too", rank)  # fmt: skip
-                return
             quick_deaths = quick_deaths + 1 if time.monotonic() - started < STABLE_S else 1
             while True:
                 delay = self._note_death(rank, quick_deaths, reason)
@@ -285,6 +280,8 @@ class RankSupervisor:
         failed = quick_deaths > self._settings.max_engine_restarts
         self._registry.set_restarts(rank, restarts, failed)
         delay = min(MAX_RESTART_DELAY_S, RESTART_DELAY_S * 2 ** (quick_deaths - 1))
+        if self._settings.enable_expert_parallel and quick_deaths == 1:
+            delay = 0.0  # every rank of the group waits for this one: a first death is replaced at once
         if failed:
             log.error("rank %d: FAILED (a crash loop: %d deaths in a row within %.0f s of a start; last: %s); "
                       "retrying in %.0f s (restart %d)", rank, quick_deaths, STABLE_S, reason, delay, restarts)  # fmt: skip

@@ -61,6 +61,7 @@ class EngineCore(EngineCoreBase):
         if model is None:
             model = load_model(config)
         self.model_info = model_info
+        self.num_experts = model.args.num_experts  # the coordinator refuses a group size that does not divide it
         self.kv_blocks_total = self._num_kv_blocks(config, model)
         self.block_size = config.block_size
         self.block_manager = BlockManager(self.kv_blocks_total, config.block_size, config.enable_prefix_caching)

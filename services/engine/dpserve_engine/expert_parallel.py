@@ -130,7 +130,16 @@ class ExpertGroup:
         self.timed(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group))
         return bool(flag.item())
 
+    def all_reduce_sync(self, has_unfinished: bool, generation: int) -> tuple[bool, int]:
+        """The lock-step sync: (does any rank have unfinished requests, the newest group generation any rank was
+        sent) in one MAX all-reduce of two ints (group_membership.py: leaving for a re-formed group)."""
+        values = torch.tensor([1 if has_unfinished else 0, generation], dtype=torch.int64)
+        self.timed(lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._cpu_group))
+        return bool(values[0].item()), int(values[1].item())
+
     def close(self) -> None:
+        """Leave the group (torch.distributed's default group is free for the next one). After a peer died the
+        pending collectives have failed already (its sockets closed), so this does not wait."""
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -16,6 +16,7 @@ class EngineCoreBase(abc.ABC):
     model_info: ModelInfo
     kv_blocks_total: int
     block_size: int = 0  # tokens per KV block (0: no prefix cache to report)
+    num_experts: int = 0  # an MoE model's experts (0: dense, or the null engine); expert parallelism splits them
 
     @abc.abstractmethod
     def add_request(self, request: EngineRequest) -> None:

@@ -18,9 +18,13 @@ the pause decision are needed before the next poll anyway, and two threads would
 
 Idle: a paused rank polls with the service's idle timeout and runs nothing, so its dummy-step counter stops.
 
-A step that fails (a peer died: its collective fails; the model raised) leaves the ranks' collectives out of
-step for good, so the rank fails its requests and exits; re-forming the group with a replacement (and scaling
-an expert-parallel deployment) is not supported yet, and the coordinator does not replace the rank.
+Re-forming the group (elastic EP, a replaced rank; group_membership.py): the sync's all-reduce also carries the
+newest group generation each rank was sent, and the step where it shows a newer one is the last in the old group
+for every rank (`leave`, then `regroup` with the new group). A step that fails (a peer died: its collective fails
+at once, the peer's sockets being closed; or the model raised) leaves the ranks' collectives out of step, so the
+rank leaves the group and waits for the coordinator's next one, keeping its requests (a core's step that raises
+has committed no token: the null engine exchanges before it generates, EngineCore's forward runs before it
+samples).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING
 from dpserve_shared.schema import RequestOutput
 from dpserve_shared.waves import SYNC_INTERVAL_STEPS, LockstepEngineWaves
 
+from dpserve_engine.group_membership import GroupMembership
 from dpserve_engine.interface import EngineCoreBase
 
 if TYPE_CHECKING:  # it imports torch, which a dense null engine never loads
@@ -40,22 +45,52 @@ if TYPE_CHECKING:  # it imports torch, which a dense null engine never loads
 log = logging.getLogger("dpserve.engine")
 
 
+class SyncFailed(RuntimeError):
+    """The all-reduce after a step failed (the group broke); the step itself succeeded: its `outputs` (tokens the
+    core committed) must still reach their frontends."""
+
+    def __init__(self, outputs: list[RequestOutput], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.outputs = outputs
+
+
 class Lockstep:
     def __init__(self, rank: int, group: ExpertGroup, core: EngineCoreBase,
                  sync_interval_steps: int = SYNC_INTERVAL_STEPS):  # fmt: skip
         self.waves = LockstepEngineWaves(rank, sync_interval_steps)
-        self.group = group
+        self.membership = GroupMembership(rank)
+        self.group: ExpertGroup | None = group
         self.core = core
         self.num_dummy_steps = 0
         self.num_waves_completed = 0
+        self._past_collective_time_s = 0.0  # in the groups before this one
 
     @property
     def collective_time_s(self) -> float:
-        return self.group.collective_time_s
+        return self._past_collective_time_s + (self.group.collective_time_s if self.group is not None else 0.0)
+
+    @property
+    def can_step(self) -> bool:
+        return self.waves.running and self.membership.can_step
+
+    def leave(self) -> None:
+        """Leave the group (agreed, broken, or told to at once): stop stepping and tear it down."""
+        self.waves.on_leave()
+        if self.group is not None:
+            self._past_collective_time_s += self.group.collective_time_s
+            self.group.close()
+            self.group = None
+
+    def regroup(self, group: ExpertGroup | None, wave: int) -> None:
+        """Joined a re-formed group (None: none, the rank was removed): step in `wave` from now on."""
+        self.group = group
+        if group is not None:
+            self.waves.on_regroup(wave)
 
     def step(self) -> tuple[list[RequestOutput], int | None]:
         """One step of the running wave (the core's, or a dummy one), then the all-reduce when it is due. Returns
-        the step's outputs and the wave that completed after it, if one did."""
+        the step's outputs and the wave that completed after it, if one did. Raises what the step raised (nothing
+        committed), or SyncFailed (with the step's outputs) when the all-reduce failed."""
         if self.core.has_unfinished():
             outputs = self.core.step()
         else:
@@ -64,7 +99,16 @@ class Lockstep:
             outputs = []
         completed = None
         if self.waves.on_step():
-            completed = self.waves.on_sync(self.group.all_reduce_has_unfinished(self.core.has_unfinished()))
+            try:
+                has_unfinished, generation = self.group.all_reduce_sync(self.core.has_unfinished(),
+                                                                        self.membership.sync_generation)
+            except Exception as e:  # noqa: BLE001 - torch raises several kinds
+                raise SyncFailed(outputs, e) from e
+            completed = self.waves.on_sync(has_unfinished)
+            if self.membership.on_sync(generation):
+                log.info("leaving the expert-parallel group of generation %d for generation %d at this step's sync "
+                         "(every rank does)", self.membership.generation, generation)  # fmt: skip
+                self.leave()
             if completed is not None:
                 self.num_waves_completed += 1
                 log.debug("wave %d complete: every rank paused (%d dummy steps so far)", completed,

@@ -12,7 +12,9 @@ rates are reported as the real engine's are.
 
 Expert-parallel mode (`set_expert_comm`, with --enable-expert-parallel): every step, and every dummy step of a
 rank without requests, runs what an MoE model's forward would over the expert-parallel group, on small tensors:
-NULL_EP_NUM_LAYERS layers of gather + scatter_sum, one row per sequence decoded in the step (0 in a dummy step).
+NULL_EP_NUM_LAYERS layers of gather + scatter_sum, one row per sequence decoded in the step (0 in a dummy step),
+before the step's tokens are generated (a failed exchange commits nothing). A new comm (a re-formed group) takes
+over from the next step; the null engine has no experts to re-shard.
 So the lock-step wave protocol (pause, restart, dummy steps, the all-reduce) runs for real across processes
 without a model; torch is imported only in this mode.
 """
@@ -145,6 +147,10 @@ class NullEngineCore(EngineCoreBase):
                 entry.num_cached_tokens = self._prefix_cache.admit(prompt)
             num_prefill_tokens += len(prompt) - entry.num_cached_tokens
         self._num_prompt_tokens += num_prefill_tokens
+        if self._expert_comm is not None:
+            # before any token: a failed exchange (a peer died) leaves every request as it was, to go on in the
+            # re-formed group (lockstep.py)
+            self._exchange_with_experts(len(self._running))
         outputs = []
         finished = []
         for request_id, entry in self._running.items():
@@ -164,8 +170,6 @@ class NullEngineCore(EngineCoreBase):
             del self._running[request_id]
         self._num_generation_tokens += len(outputs)
         self._num_steps += 1
-        if self._expert_comm is not None:
-            self._exchange_with_experts(len(outputs))
         step_s = self._step_time_s + self._prefill_time_per_token_s * num_prefill_tokens
         remaining = step_s - (time.perf_counter() - started)
         if remaining > 0:

@@ -19,7 +19,11 @@ Expert parallelism (--enable-expert-parallel; lockstep.py): after registering, t
 coordinator's ExpertGroup (sent once every rank has registered), joins the torch.distributed group, and from then
 on steps in lock-step waves: while a wave runs it steps every iteration (a dummy step without requests of its
 own), every few steps the ranks all-reduce "has unfinished", and they pause together; rank 0 reports
-WaveComplete. Without the flag nothing of this runs and the waves stay bookkeeping.
+WaveComplete. A later ExpertGroup (a scale step, a dead rank's replacement) re-forms the group: the rank leaves
+the old one at the step its peers agree on (or at once when it is broken), joins the new one, tells the
+coordinator (ExpertGroupJoined) and steps on with its requests; a step whose collective failed makes it leave
+the group and say so (ExpertGroupBroken), keeping its requests, until the coordinator's next group. Without the
+flag nothing of this runs and the waves stay bookkeeping.
 
 Lifecycle (lifecycle.py): STARTING -> SERVING -> DRAINING -> STOPPED; the loop runs until STOPPED. The parent
 died: stop now. SIGTERM/SIGINT or Shutdown(drain=True): drain (take no requests, let running ones finish for up
@@ -49,6 +53,8 @@ from dpserve_shared.schema import (
     EngineRequest,
     EngineStats,
     ExpertGroup,
+    ExpertGroupBroken,
+    ExpertGroupJoined,
     FinishReason,
     FrontendGone,
     KvResync,
@@ -68,7 +74,7 @@ from dpserve_engine.coordinator_link import CoordinatorLink, RegistrationFailed
 from dpserve_engine.frontend_link import FrontendLink
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest
 from dpserve_engine.lifecycle import Lifecycle, ProcessState
-from dpserve_engine.lockstep import Lockstep, hold
+from dpserve_engine.lockstep import Lockstep, SyncFailed, hold
 from dpserve_engine.progress import Ticker
 from dpserve_engine.settings import ServiceSettings, build_parser, config_from_args, settings_from_args
 from dpserve_engine.threads import ThreadBudget
@@ -124,6 +130,7 @@ class EngineService:
             node_ip=self.frontends.node_ip,
             pid=os.getpid(),
             block_size=self.core.block_size,
+            num_experts=self.core.num_experts,
         )
         ack = self.coordinator.register(registration, lambda: self.lifecycle.is_stopped or self._parent_died())
         self._on_registered(ack)
@@ -141,9 +148,6 @@ class EngineService:
         """Wait for the coordinator's ExpertGroup (every rank registered), join the group, step in lock-step from
         now on. Raises RegistrationFailed (stopped or no ExpertGroup in time) or ExpertGroupJoinFailed."""
         self.coordinator.start_heartbeats()  # the wait and the join may outlast the coordinator's engine timeout
-        from dpserve_engine.expert_parallel import ExpertGroup as Group  # torch: imported by run() already
-        from dpserve_engine.expert_parallel import ExpertGroupJoinFailed, ExpertParallelComm, GroupAddress
-
         started = time.monotonic()
         log.info("waiting for the coordinator's expert-parallel group (every rank registered)")
         message = None
@@ -161,16 +165,59 @@ class EngineService:
                 elif isinstance(msg, Shutdown):
                     raise RegistrationFailed(f"shut down while waiting for the expert-parallel group: {msg.reason}")
             self.coordinator.control.poll(100)
-        if message.rank != self.rank:
-            raise RegistrationFailed(f"the coordinator placed rank {self.rank} as rank {message.rank} of the group")
-        address = GroupAddress(message.host, message.port, message.world_size, message.rank, message.timeout_s)
+        self._join(message)
+
+    def _join(self, message: ExpertGroup) -> None:
+        """Join the group `message` names, leaving the rank's current one first (rank -1: join none). The first
+        group starts paused in wave 0; a re-formed one (generation > 1) steps in the message's wave at once, on
+        every member alike. Raises RegistrationFailed when the group does not form."""
+        from dpserve_engine.expert_parallel import ExpertGroup as Group  # torch: imported by run() already
+        from dpserve_engine.expert_parallel import ExpertGroupJoinFailed, ExpertParallelComm, GroupAddress
+
+        if self.lockstep is not None:
+            self.lockstep.leave()
+        group = None
+        if message.rank >= 0:
+            if message.rank != self.rank:
+                raise RegistrationFailed(f"the coordinator placed rank {self.rank} as rank {message.rank} of the group")
+            address = GroupAddress(message.host, message.port, message.world_size, message.rank, message.timeout_s)
+            try:
+                group = Group.join(address, getattr(self.core, "device", "cpu"))  # EngineCore.device; null: cpu
+            except ExpertGroupJoinFailed as e:
+                raise RegistrationFailed(str(e)) from None
+            self.core.set_expert_comm(ExpertParallelComm(group))  # EngineCore re-shards its experts here
+        if self.lockstep is None:
+            self.lockstep = Lockstep(self.rank, group, self.core)
+            self.waves = self.lockstep.waves
+            if message.generation > 1:
+                self.waves.on_regroup(message.wave)
+        else:
+            self.lockstep.regroup(group, message.wave)
+        self.lockstep.membership.on_joined(message)
+        self.coordinator.send(ExpertGroupJoined(message.generation, is_member=group is not None))
+
+    def _on_expert_group(self, message: ExpertGroup) -> None:
+        """A later group from the coordinator: step to the sync where the ranks agree to leave, or (broken, or
+        told to leave now) re-form at once."""
+        if self.lockstep.membership.on_group(message):
+            self.waves.start_to_sync()
+        self._rejoin_if_due()
+
+    def _rejoin_if_due(self) -> None:
+        message = self.lockstep.membership.to_join()
+        if message is None:
+            return
+        started = time.monotonic()
+        log.info("re-forming the expert-parallel group: generation %d, %s", message.generation,
+                 f"rank {message.rank} of {message.world_size}" if message.rank >= 0 else "leaving it")  # fmt: skip
         try:
-            group = Group.join(address, getattr(self.core, "device", "cpu"))  # EngineCore.device; the null engine: cpu
-        except ExpertGroupJoinFailed as e:
-            raise RegistrationFailed(str(e)) from None
-        self.core.set_expert_comm(ExpertParallelComm(group))
-        self.lockstep = Lockstep(self.rank, group, self.core)
-        self.waves = self.lockstep.waves
+            self._join(message)
+        except RegistrationFailed as e:
+            self.lifecycle.stop(drain=False, exit_code=1, is_error=True,
+                                reason=f"cannot re-form the expert-parallel group: {e}")  # fmt: skip
+            return
+        log.info("expert-parallel group of generation %d %s in %.2f s", message.generation,
+                 "joined" if message.rank >= 0 else "left", time.monotonic() - started)  # fmt: skip
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
@@ -184,16 +231,18 @@ class EngineService:
         while self.lifecycle.state is not ProcessState.STOPPED:
             has_work = self._has_work()
             until_timer_ms = int((self.coordinator.next_counters_s - time.monotonic()) * 1000)
-            timeout_ms = 0 if has_work else max(0, min(IDLE_POLL_MS, until_timer_ms))
+            is_busy = has_work and (self.lockstep is None or self.lockstep.membership.can_step)
+            timeout_ms = 0 if is_busy else max(0, min(IDLE_POLL_MS, until_timer_ms))
             for sock, _ in poller.poll(timeout_ms):
                 if sock is self.frontends.frontend_socket:
                     self._take_frontend_messages()
                 else:
                     self._take_coordinator_messages()
             if self.lockstep is not None:
-                if self.waves.running and not self.lifecycle.is_stopped:
+                if self.lockstep.can_step and not self.lifecycle.is_stopped:
                     self._lockstep_step()
                     self._report_kv_events()
+                self._rejoin_if_due()  # left at the agreed step, its ExpertGroup here
             elif self.core.has_unfinished() and not self.lifecycle.is_stopped:
                 self._step()
                 self._report_kv_events()
@@ -209,25 +258,42 @@ class EngineService:
         self.frontends.flush(self._load())
 
     def _has_work(self) -> bool:
-        """Requests to step, or (lock-step) a wave to step in: the other ranks' collectives wait for this one."""
-        return self.core.has_unfinished() or (self.lockstep is not None and self.waves.running)
+        """Requests to step, or (lock-step) a wave to step in: the other ranks' collectives wait for this one (not
+        once the rank left the group: a scale-down's removed rank drains without it)."""
+        return self.core.has_unfinished() or (self.lockstep is not None and self.lockstep.can_step)
 
     def _lockstep_step(self) -> None:
-        """One lock-step step (lockstep.py). A failure leaves the ranks' collectives out of step for good: the
-        rank fails its requests and exits (replacing a rank of an expert-parallel group is not supported yet)."""
+        """One lock-step step (lockstep.py). A failure leaves the ranks' collectives out of step: the rank leaves
+        the group, keeps its requests (the failed step committed no token) and tells the coordinator, which
+        re-forms the group (with a dead peer's replacement); MAX_FAILED_STEPS failures in a row (the model, not the
+        group) fail its requests and end the process, so that the rank is replaced."""
         assert self.lockstep is not None
         try:
             outputs, completed = self.lockstep.step()
         except Exception as e:  # noqa: BLE001
-            log.exception("lock-step step failed")
-            reason = (f"engine rank {self.rank}: a lock-step step failed ({type(e).__name__}: {e}); the "
-                      "expert-parallel group cannot go on (replacing a rank is not supported yet): exiting")
-            for output in self.core.abort(self.frontends.request_ids()):
-                output.finish_reason = FinishReason.ERROR
-                output.error = reason
-                self.frontends.collect([output])
-            self.lifecycle.stop(drain=False, exit_code=1, is_error=True, reason=reason)
+            if isinstance(e, SyncFailed):
+                self.frontends.collect(e.outputs)  # the step itself went through: its tokens are committed
+            self._num_failed_steps += 1
+            log.exception("lock-step step failed (%d in a row)", self._num_failed_steps)
+            if self._num_failed_steps >= MAX_FAILED_STEPS:
+                reason = (f"engine rank {self.rank}: {self._num_failed_steps} lock-step steps failed in a row "
+                          f"({type(e).__name__}: {e}): exiting so that the rank is replaced")
+                for output in self.core.abort(self.frontends.request_ids()):
+                    output.finish_reason = FinishReason.ERROR
+                    output.error = reason
+                    self.frontends.collect([output])
+                self.lifecycle.stop(drain=False, exit_code=1, is_error=True, reason=reason)
+                return
+            generation = self.lockstep.membership.generation
+            self.lockstep.membership.on_failure()
+            self.lockstep.leave()
+            log.warning("left the expert-parallel group of generation %d (%s: %s); keeping %d requests until the "
+                        "coordinator re-forms it", generation, type(e).__name__, e,
+                        len(self.frontends.request_ids()))  # fmt: skip
+            self.coordinator.send(ExpertGroupBroken(generation, f"{type(e).__name__}: {e}"[:500]))
+            self._rejoin_if_due()
             return
+        self._num_failed_steps = 0
         self.frontends.collect(outputs)
         if completed is not None:
             self._on_wave_complete(completed)
@@ -343,6 +409,8 @@ class EngineService:
                 self._send_kv_snapshot()
             elif isinstance(msg, KvResync):
                 self._send_kv_snapshot()
+            elif isinstance(msg, ExpertGroup) and self.lockstep is not None:
+                self._on_expert_group(msg)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
