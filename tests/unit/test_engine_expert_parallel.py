@@ -75,7 +75,14 @@ class ThreadExpertGroup(ThreadComm):
     collective_time_s = 0.0
 
     def all_reduce_has_unfinished(self, has_unfinished: bool) -> bool:
-        return any(bool(t.item()) for t in self.group.exchange(self.rank, torch.tensor(int(has_unfinished))))
+        return self.all_reduce_sync(has_unfinished, 0)[0]
+
+    def all_reduce_sync(self, has_unfinished: bool, generation: int) -> tuple[bool, int]:
+        values = self.group.exchange(self.rank, torch.tensor([int(has_unfinished), generation]))
+        return any(bool(v[0].item()) for v in values), max(int(v[1].item()) for v in values)
+
+    def close(self) -> None:
+        pass
 
 
 def run_wave(cores: list[EngineCore], rank_requests: list[list[str]]) -> tuple[dict[str, list[int]], list[Lockstep]]:
