@@ -46,7 +46,7 @@ class FrontendSettings:
     request_body_timeout_s: float = 60.0
     # CURVE on its sockets to the coordinator and the engines, as clients (zmq_security.py)
     zmq_security: ZmqSecurity = dataclasses.field(default_factory=ZmqSecurity.from_environment, repr=False)
-    routing: RoutingPolicy = RoutingPolicy.LEAST_LOADED  # --routing (router.py)
+    routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE  # --routing (router.py)
 
 
 def add_migration_flag(parser: argparse.ArgumentParser) -> None:
@@ -60,12 +60,13 @@ def add_migration_flag(parser: argparse.ArgumentParser) -> None:
 def add_routing_flag(parser: argparse.ArgumentParser) -> None:
     """--routing, for the frontend and for `dpserve serve` (which passes it on)."""
     parser.add_argument("--routing", choices=[p.value for p in RoutingPolicy],
-                        default=RoutingPolicy.LEAST_LOADED.value,
-                        help="how a request's rank is chosen: least-loaded (fewest waiting and running requests), "
-                             "cache-aware (the lowest estimated time to first token: the prompt tokens not in the "
-                             "rank's prefix cache plus its queued prefill, over its measured prefill rate, plus its "
-                             "decode and KV pressure; every API server sees the same cache view), or round-robin "
-                             "(default: %(default)s)")
+                        default=RoutingPolicy.CACHE_AWARE.value,
+                        help="how a request's rank is chosen: cache-aware (the lowest estimated time to first token: "
+                             "the prompt tokens not in the rank's prefix cache plus its queued prefill, over the "
+                             "measured prefill rate, plus decode, batch-slot and KV pressure; a rank well above the "
+                             "mean load is skipped; every API server sees the same cache view), least-loaded (fewest "
+                             "waiting and running requests, vLLM's rule), or round-robin (default: %(default)s; "
+                             "docs/benchmarks.md compares them)")
 
 
 def add_admission_flags(parser: argparse.ArgumentParser) -> None:
