@@ -76,15 +76,15 @@ def test_admission_and_shutdown_flags_reach_the_api_servers_and_the_engines():
         serve_args("--max-queue-time-s", "0")
 
 
-def test_routing_flag_reaches_the_api_servers_and_least_loaded_stays_the_default():
+def test_routing_flag_reaches_the_api_servers_and_cache_aware_is_the_default():
     from dpserve_frontend import settings as frontend_settings
     from dpserve_frontend.router import RoutingPolicy
 
-    args = serve_args("--routing", "cache-aware")
+    args = serve_args("--routing", "least-loaded")
     frontend = frontend_settings.settings_from_args(serve.frontend_command(args, "/tmp/ready", "dep-x")[3:])
-    assert frontend.routing is RoutingPolicy.CACHE_AWARE
+    assert frontend.routing is RoutingPolicy.LEAST_LOADED
     unset = frontend_settings.settings_from_args(serve.frontend_command(serve_args(), "/tmp/ready", "dep-x")[3:])
-    assert unset.routing is RoutingPolicy.LEAST_LOADED
+    assert unset.routing is RoutingPolicy.CACHE_AWARE
     with pytest.raises(SystemExit):
         serve_args("--routing", "fastest")
 
