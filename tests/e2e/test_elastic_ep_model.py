@@ -13,9 +13,10 @@ exactly what the single process does. What must hold:
   group of 3: the re-formation pauses the ranks, it does not drain them), and after each step a burst of the
   fixed prompt set gives the reference's texts;
 - SIGKILL of rank 1's engine under the same load, then of rank 0's (the group's TCPStore host and the WaveComplete
-  sender): no request fails (the dead rank's requests move to the survivor, a started stream as its continuation,
-  and still end with the reference's text), a greedy stream pinned to the survivor keeps every token, the
-  replacement serves, and the fixed prompt set still gives the reference's texts. The time from the kill to the
+  sender): no request fails (the dead rank's requests move to the survivor and still end with the reference's text;
+  a stream pinned to the victim, ~20 tokens in at the kill, goes on there as its continuation: prompt + its tokens
+  prefilled, then decoded on), a greedy stream pinned to the survivor keeps every token, the replacement serves,
+  and the fixed prompt set still gives the reference's texts. The time from the kill to the
   survivor stream's first token after the re-formation is the interruption (printed; docs/benchmarks.md
   "session 11: elastic EP").
 
@@ -53,6 +54,8 @@ NUM_EXPERTS = 6
 # The fixed prompt set: (prompt, max_tokens), each answered with exactly max_tokens tokens (ignore_eos).
 REQUESTS = [(f"Request {i}: a few words about {w}", 8 + 4 * i)
             for i, w in enumerate(["cats", "the sea", "rain", "bread", "stars", "trains"])]  # fmt: skip
+# Pinned to the rank that is killed, which it outlives: continued on the survivor from its 10th token or so.
+MOVED_REQUEST = ("Request 6: a long story about the moon", 120)
 NUM_LOAD_THREADS = 3
 PINNED_TOKENS = 400  # the survivor's stream: running before the kill, through the repair, and on after it
 
@@ -124,24 +127,24 @@ def _stream(url: str, prompt: str, max_tokens: int, rank: int | None = None,
     return "".join(parts)
 
 
-def _burst(url: str) -> list[str]:
-    """Every request of REQUESTS at once, streamed; their texts in order (raises on any failure)."""
-    results: list = [None] * len(REQUESTS)
+def _burst(url: str, requests: list[tuple[str, int]] = REQUESTS) -> list[str]:
+    """Every request of `requests` at once, streamed; their texts in order (raises on any failure)."""
+    results: list = [None] * len(requests)
 
     def one(i: int) -> None:
         try:
-            results[i] = _stream(url, *REQUESTS[i])
+            results[i] = _stream(url, *requests[i])
         except Exception as e:  # noqa: BLE001 - asserted below
             results[i] = e
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(REQUESTS))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=200)
     assert not any(thread.is_alive() for thread in threads), "requests hung"
-    failed = [(REQUESTS[i], r) for i, r in enumerate(results) if not isinstance(r, str)]
-    assert not failed, f"{len(failed)} of {len(REQUESTS)} failed: {failed[:3]}"
+    failed = [(requests[i], r) for i, r in enumerate(results) if not isinstance(r, str)]
+    assert not failed, f"{len(failed)} of {len(requests)} failed: {failed[:3]}"
     return results
 
 
@@ -190,9 +193,10 @@ class GreedyLoad:
 
 @pytest.fixture(scope="module")
 def reference(serve_factory, mixtral_dir) -> list[str]:
-    """The texts of REQUESTS from a DP=1 deployment holding every expert (no expert parallelism)."""
+    """The texts of REQUESTS, then of MOVED_REQUEST, from a DP=1 deployment holding every expert (no expert
+    parallelism)."""
     server = serve_factory(**_config(mixtral_dir, ep=False))
-    return _burst(server.url)
+    return _burst(server.url, REQUESTS + [MOVED_REQUEST])
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +213,7 @@ def _print_log_on_failure(request, server_log_on_failure):
 
 def test_scaling_2_to_3_to_2_under_greedy_load_keeps_every_output_equal_to_the_reference(ep_server, reference):
     url = ep_server.url
-    assert _burst(url) == reference
+    assert _burst(url) == reference[: len(REQUESTS)]
     with GreedyLoad(url, reference) as load:
         load.wait_for_more(NUM_LOAD_THREADS, 60, "the load to get going")
 
@@ -217,14 +221,14 @@ def test_scaling_2_to_3_to_2_under_greedy_load_keeps_every_output_equal_to_the_r
         assert up.returncode == 0, up.stdout + up.stderr
         wait_for(lambda: all(_serving_ranks(url) == [0, 1, 2] for _ in range(4)), 30, "ranks 0, 1, 2 serving")
         wait_for(lambda: _successes(url).get(2, 0) >= 2, 60, "the new rank 2 to serve requests")
-        assert _burst(url) == reference, "DP=3: experts 0..1, 2..3, 4..5"
+        assert _burst(url) == reference[: len(REQUESTS)], "DP=3: experts 0..1, 2..3, 4..5"
         pid_2 = _engine_pids(ep_server)[2]
 
         status, body = _post_json(url + "/scale_elastic_ep", {"new_data_parallel_size": 2})
         assert status == 200, body
         wait_for(lambda: all(_serving_ranks(url) == [0, 1] for _ in range(4)), 30, "rank 2 to leave")
         wait_for(lambda: not _alive(pid_2), 30, "the removed rank's engine to exit")
-        assert _burst(url) == reference, "back to DP=2: experts 0..2, 3..5"
+        assert _burst(url) == reference[: len(REQUESTS)], "back to DP=2: experts 0..2, 3..5"
         load.wait_for_more(NUM_LOAD_THREADS, 60, "the load to go on in the group of 2")
     assert load.failures == [], load.failures[:5]
     log = ep_server.log()
@@ -246,19 +250,24 @@ def test_killing_a_rank_under_greedy_load_loses_no_request_and_the_replacement_c
     ranks = _serving_ranks(url)
     assert ranks == [0, 1], ranks
     times: list[float] = []
+    victim_times: list[float] = []
     pinned: dict = {}
 
-    def survivor_stream() -> None:
+    def pinned_stream(name: str, prompt: str, max_tokens: int, rank: int, arrivals: list[float]) -> None:
         try:
-            pinned["text"] = _stream(url, "Tell me a long story", PINNED_TOKENS, rank=survivor_rank, times=times)
+            pinned[name] = _stream(url, prompt, max_tokens, rank=rank, times=arrivals)
         except Exception as e:  # noqa: BLE001 - asserted below
-            pinned["error"] = repr(e)
+            pinned[name] = e
 
-    survivor = threading.Thread(target=survivor_stream, daemon=True)
+    survivor = threading.Thread(target=pinned_stream, daemon=True,
+                                args=("survivor", "Tell me a long story", PINNED_TOKENS, survivor_rank, times))
+    moved = threading.Thread(target=pinned_stream, daemon=True, args=("moved", *MOVED_REQUEST, victim, victim_times))
     with GreedyLoad(url, reference) as load:
         load.wait_for_more(NUM_LOAD_THREADS, 60, "the load to get going")
         survivor.start()
-        wait_for(lambda: len(times) >= 10 or pinned, 60, f"the stream pinned to rank {survivor_rank} to run")
+        moved.start()
+        wait_for(lambda: (len(times) >= 10 and len(victim_times) >= 10) or pinned, 60,
+                 "the pinned streams to run")  # fmt: skip
         victim_pid = _engine_pids(ep_server)[victim]
         served = _successes(url).get(victim, 0)
         log_before = len(ep_server.log())
@@ -269,17 +278,22 @@ def test_killing_a_rank_under_greedy_load_loses_no_request_and_the_replacement_c
                  f"a replacement rank {victim} serving")  # fmt: skip
         wait_for(lambda: "expert-parallel group repaired" in ep_server.log()[log_before:], 60, "the group re-formed")
         wait_for(lambda: _successes(url).get(victim, 0) >= served + 2, 60, "the replacement to serve requests")
-        assert _burst(url) == reference, "the replacement holds its experts again"
+        assert _burst(url) == reference[: len(REQUESTS)], "the replacement holds its experts again"
         load.wait_for_more(NUM_LOAD_THREADS, 60, "the load to go on after the repair")
         survivor.join(200)
-    assert "error" not in pinned and len(pinned.get("text", "")) > 0, pinned
+        moved.join(200)
+    assert isinstance(pinned["survivor"], str), pinned["survivor"]
+    num_moved_before = sum(t < killed_s for t in victim_times)
+    assert num_moved_before < len(victim_times), "the stream pinned to the victim ended before the kill"
+    assert pinned["moved"] == reference[-1], "the continuation on the survivor is not the reference's text"
     assert load.failures == [], load.failures[:5]
     assert any(t > killed_s for t in times), "the survivor's stream ended before the kill: make PINNED_TOKENS larger"
     # its collective fails a step after the kill; the stream is silent until the group is re-formed with the
     # replacement (a token or two already on their way may arrive just after the kill)
     silence_s, resumed_s = max((b - a, b) for a, b in zip(times, times[1:]) if b > killed_s)
     print(f"\nreal tiny Mixtral, DP=2 EP, rank {victim} killed -> first token of rank {survivor_rank}'s stream after "
-          f"the re-formation: {resumed_s - killed_s:.2f} s (its silence {silence_s:.2f} s)")
+          f"the re-formation: {resumed_s - killed_s:.2f} s (its silence {silence_s:.2f} s); the stream pinned to "
+          f"rank {victim} moved to rank {survivor_rank} after {num_moved_before} of its {len(victim_times)} events")
     log = ep_server.log()[log_before:]
     assert "left the expert-parallel group of generation" in log  # the survivor's collective failed
     assert re.search(r"expert-parallel group, generation \d+: 2 ranks joined", log)
