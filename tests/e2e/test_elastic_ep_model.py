@@ -54,7 +54,7 @@ NUM_EXPERTS = 6
 # The fixed prompt set: (prompt, max_tokens), each answered with exactly max_tokens tokens (ignore_eos).
 REQUESTS = [(f"Request {i}: a few words about {w}", 8 + 4 * i)
             for i, w in enumerate(["cats", "the sea", "rain", "bread", "stars", "trains"])]  # fmt: skip
-# Pinned to the rank that is killed, which it outlives: continued on the survivor from its 10th token or so.
+# Pinned to the rank that is killed (at its 10th token or later), which it outlives: continued on the survivor.
 MOVED_REQUEST = ("Request 6: a long story about the moon", 120)
 NUM_LOAD_THREADS = 3
 PINNED_TOKENS = 400  # the survivor's stream: running before the kill, through the repair, and on after it
