@@ -17,6 +17,7 @@ first (2 cores: one server at a time).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -308,6 +309,20 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"rep_{report.when}", report)
+
+
+def iter_sse(response):
+    """The `data:` events of a streamed (SSE) HTTP response, parsed, in order; `data: [DONE]` yields None and
+    ends it (a stream cut short ends without the None)."""
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            yield None
+            return
+        yield json.loads(payload)
 
 
 def engine_metrics(base_url: str) -> dict[str, dict[int, float]]:

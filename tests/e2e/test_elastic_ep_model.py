@@ -44,7 +44,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import _alive, wait_for
+from tests.conftest import _alive, iter_sse, wait_for
 from tests.integration.test_elastic_ep import _post_json, _successes
 from tests.integration.test_scale import _engine_pids, _scale, _serving_ranks
 
@@ -103,15 +103,10 @@ def _stream(url: str, prompt: str, max_tokens: int, rank: int | None = None,
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
     parts, usage, finish_reason, is_done = [], None, None, False
     with urllib.request.urlopen(request, timeout=180) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            payload = line[len("data:"):].strip()
-            if payload == "[DONE]":
+        for event in iter_sse(response):
+            if event is None:
                 is_done = True
                 break
-            event = json.loads(payload)
             if "error" in event:
                 raise StreamFailed(f"error event after {len(parts)} chunks: {event['error']}")
             usage = event.get("usage") or usage

@@ -25,7 +25,16 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import ServeProcess, _alive, descendants, engine_metrics, free_port, stop_serve, wait_for
+from tests.conftest import (
+    ServeProcess,
+    _alive,
+    descendants,
+    engine_metrics,
+    free_port,
+    iter_sse,
+    stop_serve,
+    wait_for,
+)
 from tests.integration.test_coordinator_ray import _cluster_state, ray_cluster  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -59,15 +68,10 @@ def _stream(base_url: str, max_tokens: int, headers: dict | None = None, on_firs
     )
     num_events, finish_reason, done = 0, None, False
     with urllib.request.urlopen(request, timeout=120) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            payload = line[len("data:"):].strip()
-            if payload == "[DONE]":
+        for event in iter_sse(response):
+            if event is None:
                 done = True
                 break
-            event = json.loads(payload)
             if "error" in event:
                 raise AssertionError(f"error event: {event['error']}")
             num_events += 1
