@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import Server, append_doc, log, machine, machine_record  # noqa: E402
 
 from dpserve.bench.client import ClientConfig, send_request  # noqa: E402
-from dpserve.bench.metrics import percentile  # noqa: E402
+from dpserve.bench.metrics import engine_metrics, percentile  # noqa: E402
 from dpserve.bench.prompts import load_tokenizer, word_token_pool  # noqa: E402
 
 POLICIES = ("cache-aware", "least-loaded")
@@ -75,19 +75,13 @@ def no_reuse_workload(opts, pool: list[int], num: int) -> list[list[tuple[list[i
 # -- one run ---------------------------------------------------------------------------------------------------------
 
 
-def scrape(url: str) -> dict[str, dict[str, float]]:
-    """Per-engine samples of the series the report needs: name -> rank -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
+_WANTED = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "dpserve:engine_busy_seconds_total")
 
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    wanted = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "dpserve:engine_busy_seconds_total")
-    found: dict[str, dict[str, float]] = {name: {} for name in wanted}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in found and "engine" in sample.labels:
-                found[sample.name][sample.labels["engine"]] = sample.value
-    return found
+
+def scrape(url: str) -> dict[str, dict[int, float]]:
+    """Per-engine samples of the series the report needs: name -> rank -> value."""
+    found = engine_metrics(url)
+    return {name: found.get(name, {}) for name in _WANTED}
 
 
 def settled_scrape(url: str, previous: dict | None = None) -> dict:

@@ -27,11 +27,12 @@ import os
 import re
 import sys
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare import Server, append_doc, bench, log, machine, med  # noqa: E402
+
+from dpserve.bench.metrics import engine_metrics  # noqa: E402
 
 SETUPS = {
     "dp2-ep": (2, ["--enable-expert-parallel"]),
@@ -49,15 +50,11 @@ _EXPERTS = re.compile(r"engine\[(\d+)\].*holding experts (\S+(?:, \S+)*) of \d+ 
 
 def engine_samples(url: str) -> dict[int, dict[str, float]]:
     """rank -> {steps, dummy_steps, collective_s, kv_blocks} from /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
     found: dict[int, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in _COUNTERS and "engine" in sample.labels:
-                found.setdefault(int(sample.labels["engine"]), {})[_COUNTERS[sample.name]] = sample.value
+    for name, per_rank in engine_metrics(url).items():
+        for rank, value in per_rank.items():
+            if name in _COUNTERS:
+                found.setdefault(rank, {})[_COUNTERS[name]] = value
     return found
 
 

@@ -327,15 +327,6 @@ def iter_sse(response):
 
 def engine_metrics(base_url: str) -> dict[str, dict[int, float]]:
     """Per-engine samples from a server's /metrics: metric name -> rank -> value (summed over other labels)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from dpserve.bench.metrics import engine_metrics as scrape
 
-    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    found: dict[str, dict[int, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if "engine" in sample.labels:
-                per_rank = found.setdefault(sample.name, {})
-                rank = int(sample.labels["engine"])
-                per_rank[rank] = per_rank.get(rank, 0.0) + sample.value
-    return found
+    return scrape(base_url)

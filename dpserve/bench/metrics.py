@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import urllib.request
 from collections.abc import Sequence
 
 PERCENTILES = (50, 90, 99)
@@ -109,3 +110,20 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> dict
         errors[key] = errors.get(key, 0) + 1
     metrics["errors"] = [{"error": e, "count": c} for e, c in list(errors.items())[:MAX_ERRORS_KEPT]]
     return metrics
+
+
+def engine_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, dict[int, float]]:
+    """Per-engine samples from a dpserve server's /metrics: metric name -> rank -> value (summed over the other
+    labels; counters under their `_total` sample names)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as response:
+        text = response.read().decode()
+    found: dict[str, dict[int, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "engine" in sample.labels:
+                per_rank = found.setdefault(sample.name, {})
+                rank = int(sample.labels["engine"])
+                per_rank[rank] = per_rank.get(rank, 0.0) + sample.value
+    return found

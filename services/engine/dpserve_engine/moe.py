@@ -157,9 +157,7 @@ class MoEFeedForward(nn.Module):
                 w13[slot].copy_(self.w13[held])
                 w2[slot].copy_(self.w2[held])
             else:
-                p = f"{prefix}experts.{expert}."
-                w13[slot].copy_(torch.cat([state[p + "w1.weight"], state[p + "w3.weight"]]))
-                w2[slot].copy_(state[p + "w2.weight"])
+                _copy_expert(w13[slot], w2[slot], state, f"{prefix}experts.{expert}.")
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
         self.expert_ids = ids
@@ -170,6 +168,10 @@ class MoEFeedForward(nn.Module):
         held here; `prefix` is e.g. 'model.layers.3.block_sparse_moe.'."""
         self.router.copy_(state[prefix + "gate.weight"])
         for slot, expert in enumerate(self.expert_ids):
-            p = f"{prefix}experts.{expert}."
-            self.w13[slot].copy_(torch.cat([state[p + "w1.weight"], state[p + "w3.weight"]]))
-            self.w2[slot].copy_(state[p + "w2.weight"])
+            _copy_expert(self.w13[slot], self.w2[slot], state, f"{prefix}experts.{expert}.")
+
+
+def _copy_expert(w13: Tensor, w2: Tensor, state: dict[str, Tensor], prefix: str) -> None:
+    """One expert's Mixtral weights (`{prefix}w1/w2/w3.weight`) into its rows of the stacks (w1 and w3 fused)."""
+    w13.copy_(torch.cat([state[prefix + "w1.weight"], state[prefix + "w3.weight"]]))
+    w2.copy_(state[prefix + "w2.weight"])

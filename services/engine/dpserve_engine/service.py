@@ -278,10 +278,7 @@ class EngineService:
             if self._num_failed_steps >= MAX_FAILED_STEPS:
                 reason = (f"engine rank {self.rank}: {self._num_failed_steps} lock-step steps failed in a row "
                           f"({type(e).__name__}: {e}): exiting so that the rank is replaced")
-                for output in self.core.abort(self.frontends.request_ids()):
-                    output.finish_reason = FinishReason.ERROR
-                    output.error = reason
-                    self.frontends.collect([output])
+                self._fail_requests(reason)
                 self.lifecycle.stop(drain=False, exit_code=1, is_error=True, reason=reason)
                 return
             generation = self.lockstep.membership.generation
@@ -337,10 +334,7 @@ class EngineService:
         except Exception as e:  # noqa: BLE001
             self._num_failed_steps += 1
             log.exception("step failed (%d in a row)", self._num_failed_steps)
-            for output in self.core.abort(self.frontends.request_ids()):
-                output.finish_reason = FinishReason.ERROR
-                output.error = f"engine rank {self.rank} failed: {type(e).__name__}: {e}"
-                self.frontends.collect([output])
+            self._fail_requests(f"engine rank {self.rank} failed: {type(e).__name__}: {e}")
             if self._num_failed_steps >= MAX_FAILED_STEPS:
                 self.lifecycle.stop(
                     drain=False, exit_code=1, is_error=True,
@@ -421,6 +415,13 @@ class EngineService:
     def on_signal(self, signum: int, frame) -> None:
         """First SIGTERM/SIGINT drains, a second one stops at once."""
         self.lifecycle.on_signal(signum, frame)
+
+    def _fail_requests(self, error: str) -> None:
+        """End every request of this rank with an error (the frontends move or fail them)."""
+        for output in self.core.abort(self.frontends.request_ids()):
+            output.finish_reason = FinishReason.ERROR
+            output.error = error
+            self.frontends.collect([output])
 
     def _abort_all(self, reason: str) -> None:
         request_ids = self.frontends.request_ids()
