@@ -10,17 +10,18 @@ with `ExpertGroupJoinFailed` naming that address, the port and the timeout when 
 all-gather + reduce-scatter rather than all-to-all:
 
 - `gather(x)`: each rank's rows `x` [T_r, dim] to every rank, in rank order: [sum T_r, dim] plus the counts T_r.
-  One all-gather of the counts (N int64), then one all-gather of the rows padded to max T_r.
+  One all-gather of the counts (N int64; once per forward: `begin_forward` says how many layers share
+  them), then one all-gather of the rows padded to max T_r.
 - `scatter_sum(y, counts)`: every rank computed its experts' share `y` [sum T_r, dim] for all rows (zero where a
   row chose none of its experts); the elementwise sum over ranks is taken and each rank keeps its own rows. One
   reduce-scatter of the padded [N * max T_r, dim] tensor where the backend has it (nccl), else (gloo) an
   all-reduce of it and a slice.
 
-Message sizes per MoE layer, with T = max T_r, d = hidden size, b = bytes per element: the counts (8 N bytes),
-then N * T * d * b bytes received by each rank for the gather, and N * T * d * b for the reduction (gloo's
-ring all-reduce moves about twice that over the wire; a reduce-scatter moves (N - 1) * T * d * b). When every
-rank has 0 rows (all of them are running dummy steps) only the counts travel. Why not all-to-all: with top-k
-routing over E experts on N ranks a token usually needs several ranks, the gather needs no routing metadata
+Message sizes per MoE layer, with T = max T_r, d = hidden size, b = bytes per element: the counts (8 N bytes,
+first layer only), then N * T * d * b bytes received by each rank for the gather, and N * T * d * b for the
+reduction (gloo's ring all-reduce moves about twice that over the wire; a reduce-scatter moves (N - 1) * T * d *
+b). When every rank has 0 rows (all of them are running dummy steps) only the counts travel. Why not all-to-all:
+with top-k routing over E experts on N ranks a token usually needs several ranks, the gather needs no routing metadata
 exchanged first (the router runs on every rank over the gathered rows, so its choice needs no message), and the
 two collectives have fixed shapes per step, which is what a compiled or graph-captured step wants. All-to-all
 would send each row only to the ranks holding its chosen experts: less traffic for large N and small k, at the
@@ -35,7 +36,8 @@ all-reduce of one int, on a CPU gloo group even when the experts' group is nccl,
 
 Every collective is timed: `collective_time_s` (cumulative, waiting for the other ranks included) feeds the rank's
 /metrics. On CUDA that is the host's time: an nccl call returns once queued, and its wait shows in the next sync
-(the counts' `.tolist()`, which syncs every layer). Untested on CUDA so far: no multi-GPU machine was at hand.
+(the counts' `.tolist()`, in the first MoE layer of each forward). Untested on CUDA so far: no multi-GPU machine
+was at hand.
 """
 
 from __future__ import annotations
@@ -152,6 +154,14 @@ class ExpertParallelComm:
         self.group = group
         self.rank = group.rank
         self.world_size = group.world_size
+        # The row counts of the current forward (begin_forward): exchanged in its first layer's gather, reused by
+        # the rest, which have the same rows on every rank. Without begin_forward each gather exchanges them.
+        self._forward_counts: list[int] | None = None
+        self._layers_left = 0
+
+    def begin_forward(self, num_layers: int) -> None:
+        self._forward_counts = None
+        self._layers_left = num_layers
 
     def all_reduce_has_unfinished(self, has_unfinished: bool) -> bool:
         return self.group.all_reduce_has_unfinished(has_unfinished)
@@ -164,7 +174,15 @@ class ExpertParallelComm:
 
     def gather(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """x [T_r, dim] -> (every rank's rows [sum T_r, dim] in rank order, [T_0, ..., T_{N-1}])."""
-        counts = self._counts(x.shape[0], x.device)
+        if self._layers_left > 0:
+            self._layers_left -= 1
+            if self._forward_counts is None:
+                self._forward_counts = self._counts(x.shape[0], x.device)
+            counts = self._forward_counts
+            if counts[self.rank] != x.shape[0]:
+                raise RuntimeError(f"a layer of this forward has {x.shape[0]} rows, its first had {counts[self.rank]}")
+        else:
+            counts = self._counts(x.shape[0], x.device)
         max_rows = max(counts)
         if max_rows == 0:  # every rank is idle: nothing but the counts travels
             return x.new_zeros((0, *x.shape[1:])), counts

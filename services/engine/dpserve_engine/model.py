@@ -316,6 +316,7 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """tokens, positions: [T] -> final hidden states [T, dim] (logits are computed only where needed)."""
         self.row_split.decode_rows = meta.num_decodes
+        self._begin_expert_forward()
         x = self.tok_embeddings(tokens).to(self.prec.act)  # [T, dim]
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # [T, 1, hd]
         for layer, kv in zip(self.layers, kv_caches):
@@ -330,6 +331,7 @@ class Transformer(nn.Module):
         rows = (inputs.num_rows + 0).item()  # of a computed tensor: unbacked, so never specialized to a value
         torch._check(rows >= 1)
         torch._check(rows <= x.shape[0])
+        self._begin_expert_forward()
         for layer, kv in zip(self.layers, kv_caches):
             x = layer.decode(x, cos, sin, inputs, kv, rows)
         return self.norm(x)
@@ -374,8 +376,19 @@ class Transformer(nn.Module):
         MoE layers (attention and norms are per rank, and a zero-row step needs neither), each making its gather
         and scatter_sum so the ranks' collectives match. Without a comm it computes nothing."""
         empty = torch.empty(0, self.args.dim, dtype=self.prec.act, device=self.rope_cos.device)
+        self._begin_expert_forward()
         for moe in self.moe_layers:
             moe(empty)
+
+    def _begin_expert_forward(self) -> None:
+        """Tell the MoE layers' comm a forward starts (ExpertComm's optional begin_forward: the ranks' row counts
+        are the same in every layer of it). Dense models: nothing."""
+        if not self.args.is_moe:
+            return
+        layers = self.moe_layers
+        begin = getattr(layers[0].comm, "begin_forward", None)
+        if begin is not None:
+            begin(len(layers))
 
     def compute_logits(self, h: Tensor) -> Tensor:
         """h: [N, dim] -> fp32 logits [N, vocab]."""

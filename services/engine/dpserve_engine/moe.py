@@ -51,6 +51,10 @@ class ExpertComm(Protocol):
         ([counts[rank], dim]: rows sum(counts[:rank]) onwards)."""
         ...
 
+    # Optional: `begin_forward(num_layers)`, called by Transformer before a forward of `num_layers` MoE layers.
+    # Every layer of one forward has the same rows on every rank, so a comm may exchange the row counts once, in
+    # the first layer's gather, instead of in each (ExpertParallelComm does).
+
 
 def expert_range(num_experts: int, rank: int, world_size: int) -> range:
     """The experts rank `rank` of `world_size` holds: the contiguous block [r*E/N, (r+1)*E/N)."""
