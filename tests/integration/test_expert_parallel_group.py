@@ -1,7 +1,8 @@
 """The expert-parallel process group with 2 real processes on gloo (services/engine/dpserve_engine/expert_parallel.py).
 
 Each process joins the group, runs ExpertParallelComm's gather / scatter_sum on plain tensors (uneven row counts,
-a rank with 0 rows, every rank with 0 rows) and the has-unfinished all-reduce, and checks the results itself;
+a rank with 0 rows, every rank with 0 rows; a forward whose layers share one exchange of the row counts) and the
+has-unfinished all-reduce, and checks the results itself;
 the test checks both exit 0. A rank whose peer never comes fails with the address, the port and the timeout."""
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ for num_rows in ([3, 1], [0, 2], [2, 0], [0, 0], [5, 5]):
     y = gathered * (rank + 1)
     mine = comm.scatter_sum(y, counts)
     assert torch.equal(mine, 3 * x), (mine, x)
+
+# a forward of 3 MoE layers (begin_forward): the row counts travel once, in the first layer's gather
+comm.begin_forward(3)
+before = group.num_collectives
+x = rows(rank, [2, 1][rank])
+for _ in range(3):
+    gathered, counts = comm.gather(x)
+    assert counts == [2, 1] and torch.equal(gathered, torch.cat([rows(0, 2), rows(1, 1)]))
+assert group.num_collectives - before == 1 + 3, group.num_collectives - before  # the counts once, the rows thrice
 
 assert comm.all_reduce_has_unfinished(rank == 1) is True
 assert comm.all_reduce_has_unfinished(rank == 0) is True
