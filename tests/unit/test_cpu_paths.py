@@ -26,7 +26,7 @@ def test_capability_decides_without_measuring(cpu, path):
     assert chosen.path == path and chosen.reason
 
 
-@pytest.mark.parametrize("forced", ["int4", "q4"])
+@pytest.mark.parametrize("forced", ["int4", "q4", "q4q8"])
 def test_quantization_flag_forces_a_path(forced):
     for cpu in (AVX2, AVX512_BF16, AVX512_ONLY):
         chosen = cpu_paths.choose(cpu, forced=forced, benchmark=never)
@@ -34,8 +34,26 @@ def test_quantization_flag_forces_a_path(forced):
 
 
 def test_unknown_forced_path_is_refused():
-    with pytest.raises(ValueError, match="int4"):
+    with pytest.raises(ValueError, match="int4.*q4q8"):
         cpu_paths.choose(AVX2, forced="int8")
+
+
+def test_q4q8_is_only_chosen_when_forced(tmp_path):
+    """Not by capability, not measured by the micro-benchmark, not taken from a cache that names it."""
+    for cpu in (AVX2, PLAIN, AVX512_BF16, AMX):
+        assert cpu_paths.choose(cpu, benchmark=never).path != "q4q8"
+    cache = str(tmp_path / "cpu-paths.json")
+    json.dump({cpu_paths._cache_key(AVX512_ONLY): "q4q8"}, open(cache, "w"))
+    calls = []
+    chosen = cpu_paths.choose(AVX512_ONLY, benchmark=lambda p: calls.append(p) or {"int4": 0.003, "q4": 0.002}[p],
+                              cache_file=cache)  # fmt: skip
+    assert chosen.path == "q4" and sorted(calls) == ["int4", "q4"]
+
+
+def test_q4q8_describes_its_kernels():
+    described = cpu_paths.KernelPaths("q4q8", "--quantization q4q8").describe()
+    assert described["decode"] == "grouped q4 (int8 activations)" and described["prefill"] == "fp32"
+    assert described["head"] == "grouped q8 (int8 activations)"
 
 
 def test_avx512_without_bf16_is_measured_once_and_cached(tmp_path):
@@ -75,7 +93,7 @@ def test_detect_survives_a_missing_cpuinfo(tmp_path):
     assert cpu.flags == frozenset() and cpu.model_name
 
 
-def test_decode_benchmark_times_both_paths(engine_cache_dir):
+def test_decode_benchmark_times_every_path(engine_cache_dir):
     from dpserve_engine import kernels
 
     kernels.load(engine_cache_dir)

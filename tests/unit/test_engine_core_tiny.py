@@ -412,3 +412,45 @@ def test_layer_stacks_hold_each_layer_tensor_once():
     for name, (s, i) in layers.where.items():
         tensor = after[name.removeprefix("model.")]
         assert tensor.data_ptr() == layers.stacks[s][i].data_ptr()
+
+
+def test_saved_step_key_tells_the_grouped_kernel_paths_apart(engine_cache_dir):
+    """q4 and q4q8 layers hold the same tensors: the saved decode step's key must still differ, or a step traced
+    on one path (its probe included) would be loaded for the other."""
+    from dpserve_engine.compiled import CompiledDecode
+
+    def key(path: str) -> str:
+        return CompiledDecode(grouped_model(path), [], engine_cache_dir)._saved_step().dir.name  # nothing traced
+
+    assert key("q4") == key("q4") != key("q4q8")
+
+
+def grouped_model(path: str):
+    """The tiny model with each layer's o and down projections as random Q4_1 groups and the LM head as random
+    Q8_0 groups, on kernel path `path` ("q4" or "q4q8")."""
+    from dpserve_engine.quantized import GroupedHead, GroupedLinear
+
+    model = build_model(ARGS, None, Precision.fp32(), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for layer in model.layers:
+        for owner, name, k in ((layer.attention, "wo", ARGS.dim), (layer.feed_forward, "w2", ARGS.ffn_dim)):
+            q = torch.randint(0, 16, (ARGS.dim, k), generator=gen, dtype=torch.uint8)
+            d = torch.rand(ARGS.dim, k // 32, generator=gen) * 0.05
+            setattr(owner, name, GroupedLinear(q, d, -8 * d, model.row_split, path))
+    q8 = torch.randint(-127, 128, (VOCAB, ARGS.dim), generator=gen, dtype=torch.int8)
+    model.fast_head = GroupedHead(q8, torch.rand(VOCAB, ARGS.dim // 32, generator=gen) * 0.01, path)
+    return model
+
+
+@pytest.mark.timeout(180)
+def test_compiled_decode_step_runs_the_int8_activation_kernels(tmp_path):
+    """Path q4q8's ops (q4q8_linear, q8q8_linear) inside the compiled decode graph (their fake impls in
+    kernels.py): the eager tokens, through both graphs, without fallbacks."""
+    model = grouped_model("q4q8")
+    requests = [(f"r{i}", prompt(i, 3 + 5 * i), greedy(max_tokens=20 + 3 * i)) for i in range(6)]
+    compiled_core = engine(model, enforce_eager=False, cache_dir=fresh_cache_dir(tmp_path))
+    compiled = compiled_core.runner.compiled
+    compiled.serial_max_rows = 3
+    assert tokens(run(compiled_core, requests)) == tokens(run(engine(model), requests))
+    assert compiled.num_calls > 0 and compiled.num_fallbacks == 0
+    assert all(graph.direct is not None and graph.direct.num_calls > 0 for graph in compiled.graphs)

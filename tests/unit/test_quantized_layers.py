@@ -1,5 +1,5 @@
-"""The CPU quantized layers against fp32 references: GroupedLinear on both kernel paths (both row kinds),
-FastHead (rescored top-k) and GroupedHead (exact Q8_0 groups)."""
+"""The CPU quantized layers against fp32 references: GroupedLinear on the kernel paths (both row kinds),
+FastHead (rescored top-k) and GroupedHead (exact Q8_0 groups; on int8 activations for "q4q8")."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module", autouse=True)
 def engine_kernels(engine_cache_dir):
-    kernels.load(engine_cache_dir)  # torch.ops.dpserve.q4_linear, q8_linear
+    kernels.load(engine_cache_dir)  # torch.ops.dpserve.q4_linear, q8_linear, q4q8_linear, q8q8_linear
 
 
 def q4_groups(n: int, k: int, seed: int = 0):
@@ -50,7 +50,33 @@ def test_grouped_linear_decode_and_prefill_rows_match_fp32(path, decode_rows):
     torch.testing.assert_close(y, reference(q, d, m, x, path), **tol)
 
 
-@pytest.mark.parametrize("path", ["int4", "q4"])
+@pytest.mark.parametrize("decode_rows", [0, 3, 7])
+def test_q4q8_decode_rows_take_the_int8_kernel_and_prefill_rows_the_fp32_copy(decode_rows):
+    q, d, m = q4_groups(96, 128)
+    split = RowSplit()
+    layer = GroupedLinear(q, d, m, split, "q4q8")
+    x = torch.randn(7, 128)
+    split.decode_rows = decode_rows
+    y = layer(x)
+    assert y.shape == (7, 96) and y.dtype == torch.float32
+    expected = reference(q, d, m, x, "q4")
+    torch.testing.assert_close(y[decode_rows:], expected[decode_rows:], rtol=1e-5, atol=1e-5)  # fp32 prefill
+    decoded = y[:decode_rows]
+    assert torch.equal(decoded, torch.ops.dpserve.q4q8_linear(x[:decode_rows], layer.qs, layer.d, layer.m))
+    if decode_rows:  # int8 activations: near fp32, not equal
+        error = (decoded - expected[:decode_rows]).norm() / expected[:decode_rows].norm()
+        assert 0 < error < 0.02
+
+
+def test_unknown_paths_are_refused():
+    q, d, m = q4_groups(32, 64)
+    with pytest.raises(ValueError, match="q4q8"):
+        GroupedLinear(q, d, m, RowSplit(), "q8")
+    with pytest.raises(ValueError, match="q4q8"):
+        GroupedHead(*q8_groups(q8_0_weight(10, 64)), "int4")
+
+
+@pytest.mark.parametrize("path", ["int4", "q4", "q4q8"])
 def test_a_row_gets_the_same_result_alone_or_batched_on_its_path(path):
     q, d, m = q4_groups(64, 96, seed=1)
     split = RowSplit()
@@ -64,9 +90,10 @@ def test_a_row_gets_the_same_result_alone_or_batched_on_its_path(path):
     assert torch.equal(layer.decode(torch.cat([x[:3], torch.zeros(2, 96)]), 3)[:3], together[:3])
 
 
-def test_q4_decode_zeroes_padding_rows():
+@pytest.mark.parametrize("path", ["q4", "q4q8"])
+def test_q4_decode_zeroes_padding_rows(path):
     q, d, m = q4_groups(32, 64, seed=3)
-    layer = GroupedLinear(q, d, m, RowSplit(), "q4")
+    layer = GroupedLinear(q, d, m, RowSplit(), path)
     y = layer.decode(torch.randn(5, 64), 2)
     assert y.shape == (5, 32) and torch.count_nonzero(y[2:]) == 0
 
@@ -115,4 +142,15 @@ def test_grouped_head_is_the_fp32_head_and_batch_invariant():
     h = torch.randn(13, 64)
     got = head(h, weight)
     torch.testing.assert_close(got, F.linear(h.double(), weight.double()).float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([head(h[i : i + 1], weight) for i in range(13)]), got)
+
+
+def test_grouped_head_on_int8_activations_is_near_the_fp32_head_and_batch_invariant():
+    weight = q8_0_weight(1000, 64)
+    head = GroupedHead(*q8_groups(weight), "q4q8")
+    h = torch.randn(13, 64)
+    got = head(h, weight)
+    assert torch.equal(got, torch.ops.dpserve.q8q8_linear(h, head.qs, head.d))
+    exact = F.linear(h.double(), weight.double()).float()
+    assert 0 < (got - exact).norm() / exact.norm() < 0.02
     assert torch.equal(torch.cat([head(h[i : i + 1], weight) for i in range(13)]), got)

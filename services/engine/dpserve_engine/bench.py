@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dpserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    p.add_argument("--quantization", default="auto", choices=["auto", "q4", "int4", "none"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "q4", "q4q8", "int4", "none"])
     p.add_argument("--device", default=None)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)

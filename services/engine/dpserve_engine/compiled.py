@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from dpserve_engine import kernels, precompiled
 from dpserve_engine.direct_call import DirectCall, DirectCallUnavailable
 from dpserve_engine.model import DecodeInputs, Transformer
+from dpserve_engine.quantized import GroupedHead, GroupedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +236,10 @@ class CompiledDecode:
         named, weights = self.named_tensors()
         options = {g.name: {k: v for k, v in g.options.items() if k != "guard_filter_fn"} for g in self.graphs}
         options["shape"] = {"min_rows": self.min_rows, "min_blocks": self.min_blocks}
+        # the kernel paths the step calls: "q4" and "q4q8" layers hold the same tensors, so the tensors alone
+        # would let one path's saved step (its probe included) pass for the other's
+        grouped = (m for m in self.model.modules() if isinstance(m, (GroupedLinear, GroupedHead)))
+        options["kernel_paths"] = sorted({m.path for m in grouped})
         key = precompiled.step_key(named, options, self.kernels_lib, weights)
         return precompiled.SavedStep(os.path.join(self.cache_dir, "decode"), key)
 

@@ -2,18 +2,23 @@
 
 A CPU with bf16 in hardware (AVX512-BF16 or AMX) multiplies bf16 at several times the fp32 rate; one without it
 (AVX2, or AVX-512 without BF16) emulates bf16, and there a bf16 GEMM is ~7x slower than fp32 and torch's int4 and
-int8 weight-only kernels (which take bf16 activations) lose their edge. So each kind of work has two paths:
+int8 weight-only kernels (which take bf16 activations) lose their edge. So each kind of work has two paths, and
+a third one only on request:
 
-| work | bf16 hardware: "int4" | no bf16 hardware: "q4" |
-| --- | --- | --- |
-| decode rows (linear layers) | torch's int4 kernel on the file's Q4_1 groups, bf16 activations | the engine's grouped kernel (csrc/grouped_linear.cpp) on the same groups, fp32 activations |
-| prefill rows (linear layers) | a bf16 hi+lo copy of the weights (two bf16 GEMMs' worth, ~fp32 exact) | an fp32 copy (MKL sgemm) |
-| LM head | int8 (<= 8 rows) or bf16 copies, each row's best 8 rescored in fp32 | the tied Q8_0 embedding in the grouped kernel, fp32 activations (the fp32 head itself, no rescore) |
-| decode attention | the engine's C++ op over the paged cache (both) | |
+| work | bf16 hardware: "int4" | no bf16 hardware: "q4" | opt-in: "q4q8" |
+| --- | --- | --- | --- |
+| decode rows (linear layers) | torch's int4 kernel on the file's Q4_1 groups, bf16 activations | the engine's grouped kernel (csrc/grouped_linear.cpp) on the same groups, fp32 activations | the engine's int8-activation kernel (csrc/grouped_linear_q8.cpp) on the same groups, activations quantized per group of 32 to int8 (llama.cpp's Q8_1) |
+| prefill rows (linear layers) | a bf16 hi+lo copy of the weights (two bf16 GEMMs' worth, ~fp32 exact) | an fp32 copy (MKL sgemm) | an fp32 copy (MKL sgemm) |
+| LM head | int8 (<= 8 rows) or bf16 copies, each row's best 8 rescored in fp32 | the tied Q8_0 embedding in the grouped kernel, fp32 activations (the fp32 head itself, no rescore) | the tied Q8_0 embedding in the int8-activation kernel (not the fp32 head's logits; no rescore) |
+| decode attention | the engine's C++ op over the paged cache (all three) | | |
+| greedy tokens | fp32's on the test prompts (bf16 rounding may swap a near tie) | fp32's | not fp32's: 8-bit activations change some, and can make a prompt's tokens depend on its batch (README) |
 
 Where the answer is not obvious (AVX-512 without BF16: torch's int4 kernel has AVX-512 code there, ours runs
 256-bit), a micro-benchmark of both decode kernels at start-up (~0.2 s) decides, and its verdict is cached per CPU
-model and torch version under `<cache_dir>/cpu-paths.json`. `--quantization int4|q4` forces a path.
+model and torch version under `<cache_dir>/cpu-paths.json`. `--quantization int4|q4|q4q8` forces a path.
+"q4q8" (issue #13: llama.cpp's int8 dot products, faster than "q4" at small batches) is never chosen
+automatically, neither by capability nor by the micro-benchmark (`AUTO_PATHS`): it does not keep fp32's greedy
+tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ logger = logging.getLogger(__name__)
 # The flags that decide a path, and that benchmarks record
 RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
                   "amx_int8", "avx_vnni")  # fmt: skip
-PATHS = ("int4", "q4")
+PATHS = ("int4", "q4", "q4q8")  # what --quantization may force
+AUTO_PATHS = ("int4", "q4")  # what the automatic choice picks from (q4q8 only when forced)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +89,15 @@ def detect(cpuinfo_path: str = "/proc/cpuinfo") -> CpuInfo:
 
 @dataclasses.dataclass(frozen=True)
 class KernelPaths:
-    """The chosen path ("int4" or "q4", see the module docstring) and why."""
+    """The chosen path ("int4", "q4" or "q4q8", see the module docstring) and why."""
 
     path: str
     reason: str
 
     @property
     def decode(self) -> str:
-        return "torch int4 (bf16 activations)" if self.path == "int4" else "grouped q4 (fp32 activations)"
+        return {"int4": "torch int4 (bf16 activations)", "q4": "grouped q4 (fp32 activations)",
+                "q4q8": "grouped q4 (int8 activations)"}[self.path]  # fmt: skip
 
     @property
     def prefill(self) -> str:
@@ -98,7 +105,8 @@ class KernelPaths:
 
     @property
     def head(self) -> str:
-        return "int8/bf16 + fp32 rescore" if self.path == "int4" else "grouped q8 (fp32 activations)"
+        return {"int4": "int8/bf16 + fp32 rescore", "q4": "grouped q8 (fp32 activations)",
+                "q4q8": "grouped q8 (int8 activations)"}[self.path]  # fmt: skip
 
     def describe(self) -> dict:
         return {"path": self.path, "decode": self.decode, "prefill": self.prefill, "head": self.head,
@@ -124,15 +132,15 @@ def choose(cpu: CpuInfo, forced: str | None = None, benchmark: Benchmark | None 
 
 
 def _measured(cpu: CpuInfo, benchmark: Benchmark | None, cache_file: str | None) -> KernelPaths:
-    """AVX-512 without BF16: time both decode kernels once, keep the faster (cached per CPU model)."""
+    """AVX-512 without BF16: time both decode kernels (int4, q4) once, keep the faster (cached per CPU model)."""
     key = _cache_key(cpu)
     cached = _read_cache(cache_file).get(key)
-    if cached in PATHS:
+    if cached in AUTO_PATHS:
         return KernelPaths(cached, f"AVX-512 without BF16: {cached} measured faster here earlier ({cache_file})")
     if benchmark is None:
         return KernelPaths("q4", "AVX-512 without BF16, not measured: fp32 activations")
     started = time.perf_counter()
-    timings = {path: benchmark(path) for path in PATHS}
+    timings = {path: benchmark(path) for path in AUTO_PATHS}
     best = min(timings, key=timings.get)
     logger.info("kernel micro-benchmark (%.2f s): %s", time.perf_counter() - started,
                 ", ".join(f"{p} {t * 1e3:.2f} ms" for p, t in timings.items()))

@@ -5,6 +5,10 @@ sequence's K/V where it lies in the paged cache. In the compiled decode step it 
 sequence's blocks (a copy), two batched matmuls over the padded width and a masked softmax: at batch 1 that was
 ~1.4 ms of a ~7 ms step here (docs/benchmarks.md).
 
+`torch.ops.dpserve.q4_linear` / `q8_linear` (csrc/grouped_linear.cpp): the GGUF Q4_1 / Q8_0 groups against fp32
+activations (kernel path "q4"); `q4q8_linear` / `q8q8_linear` (csrc/grouped_linear_q8.cpp): the same groups against
+activations quantized to int8 per group inside the op (kernel path "q4q8"; cpu_paths.py).
+
 Built like inductor builds its kernels, with the same compiler (`CXX`, default g++) and instruction-set flags
 (inductor's pick of AVX512/AVX2/...), OpenMP as torch's own (the same libgomp, so one thread pool), against the
 installed torch. The library is cached under `<cache_dir>/kernels/`, named by a hash of the source, the torch
@@ -129,5 +133,13 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], qs.shape[0])
 
     @torch.library.register_fake("dpserve::q8_linear")
+    def _(x, qs, d):
+        return x.new_empty(x.shape[0], qs.shape[0])
+
+    @torch.library.register_fake("dpserve::q4q8_linear")
+    def _(x, qs, d, m):
+        return x.new_empty(x.shape[0], qs.shape[0])
+
+    @torch.library.register_fake("dpserve::q8q8_linear")
     def _(x, qs, d):
         return x.new_empty(x.shape[0], qs.shape[0])

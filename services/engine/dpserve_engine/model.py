@@ -404,14 +404,14 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def quantize_head(self, path: str = "int4") -> str:
-        """Run the LM head on a quantized copy (CPU; cpu_paths.py's path): "q4" the exact Q8_0 groups in the
-        grouped kernel where the head is one, else int8/bf16 (or fp32 without bf16 hardware) copies with an fp32
-        rescore of each row's best candidates. Returns what it built, for the log."""
+        """Run the LM head on a quantized copy (CPU; cpu_paths.py's path): "q4" / "q4q8" the exact Q8_0 groups in
+        the grouped kernel (fp32 / int8 activations) where the head is one, else int8/bf16 (or fp32 without bf16
+        hardware) copies with an fp32 rescore of each row's best candidates. Returns what it built, for the log."""
         weight = self.head_weight.detach().float()
-        groups = q8_groups(weight) if path == "q4" else None
+        groups = q8_groups(weight) if path in ("q4", "q4q8") else None
         if groups is not None:
-            self.fast_head = GroupedHead(*groups)
-            return "Q8_0 groups, grouped kernel"
+            self.fast_head = GroupedHead(*groups, path)
+            return "Q8_0 groups, grouped kernel" + (", int8 activations" if path == "q4q8" else "")
         self.fast_head = FastHead(weight, large_bf16=path == "int4")
         return "int8 (<= 8 rows) / " + ("bf16" if path == "int4" else "fp32") + ", top-8 rescored in fp32"
 

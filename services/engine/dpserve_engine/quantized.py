@@ -2,7 +2,8 @@
 (`GroupedLinear`), and the LM head on reduced-precision or Q8_0 copies of its weight (`FastHead`, `GroupedHead`).
 
 model.py builds them from the weights (`fused_linear`, `Transformer.quantize_head`); cpu_paths.py chooses the
-path; csrc/grouped_linear.cpp is the grouped kernel.
+path; csrc/grouped_linear.cpp is the grouped kernel on fp32 activations, csrc/grouped_linear_q8.cpp the one on
+int8 activations.
 """
 
 from __future__ import annotations
@@ -25,15 +26,23 @@ class RowSplit:
     decode_rows: int = 0
 
 
+# The kernel paths that run the engine's grouped kernels on the file's nibbles (GroupedLinear) and the Q8_0 head
+# (GroupedHead): "q4" on fp32 activations (q4_linear, q8_linear), "q4q8" on activations quantized to int8 inside
+# the op (q4q8_linear, q8q8_linear)
+GROUPED_PATHS = ("q4", "q4q8")
+
+
 class GroupedLinear(nn.Module):
     """Weight-only 4-bit from GGUF Q4_1 groups (w = d * q + m, 32 weights a group), repacked, not requantized,
-    on one of two kernel paths (cpu_paths.py chooses for the CPU):
+    on one of three kernel paths (cpu_paths.py chooses for the CPU):
 
     - "int4": torch's CPU int4 kernel, which computes (q - 8) * scale + zero per group with bf16 scale = d and
       zero = m + 8 d, on bf16 activations. Prefill rows go through a bf16 hi+lo copy of the same effective
       weights (a bf16 GEMM is ~3x faster than the int4 kernel at 128 rows where bf16 is in hardware).
     - "q4": the engine's grouped kernel (csrc/grouped_linear.cpp) on the file's nibbles with fp32 d and m and fp32
       activations; prefill rows through an fp32 copy (MKL's sgemm). For CPUs that emulate bf16.
+    - "q4q8": as "q4", but decode rows go through csrc/grouped_linear_q8.cpp, which quantizes each row's
+      activations to int8 per group of 32 and takes integer dot products (llama.cpp's way; not fp32's results).
 
     Decode rows (`split.decode_rows`, the leading rows) take the 4-bit kernel and prefill rows the dense copy.
     Each kind of row always takes the same path, so a request's tokens do not depend on what it is batched with.
@@ -45,8 +54,8 @@ class GroupedLinear(nn.Module):
     def __init__(self, q: Tensor, d: Tensor, m: Tensor, split: RowSplit, path: str = "int4", prefill_copy: bool = True):
         super().__init__()
         # q: [N, K] in 0..15; d, m: [N, K / 32]
-        if path not in ("int4", "q4"):
-            raise ValueError(f"GroupedLinear path must be int4 or q4, got {path!r}")
+        if path != "int4" and path not in GROUPED_PATHS:
+            raise ValueError(f"GroupedLinear path must be one of int4, {', '.join(GROUPED_PATHS)}; got {path!r}")
         self.path, self.split = path, split
         self.in_features = q.shape[1]
         groups = q.view(q.shape[0], -1, self.group_size)
@@ -97,6 +106,8 @@ class GroupedLinear(nn.Module):
         if self.path == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size,
                                                              self.scales_zeros)  # fmt: skip
+        if self.path == "q4q8":
+            return torch.ops.dpserve.q4q8_linear(x.float(), self.qs, self.d, self.m)
         return torch.ops.dpserve.q4_linear(x.float(), self.qs, self.d, self.m)
 
 
@@ -135,16 +146,22 @@ class FastHead(nn.Module):
 
 
 class GroupedHead(nn.Module):
-    """The LM head as Q8_0 groups (w = d * q, 32 weights a group) in the engine's grouped kernel, fp32
-    activations: 4x fewer bytes than the fp32 head and, for a GGUF Q8_0 embedding, the very same weights (built
-    only when d * q reproduces the fp32 head exactly; `q8_groups`), so no rescore is needed."""
+    """The LM head as Q8_0 groups (w = d * q, 32 weights a group) in the engine's grouped kernel: 4x fewer bytes
+    than the fp32 head and, for a GGUF Q8_0 embedding, the very same weights (built only when d * q reproduces the
+    fp32 head exactly; `q8_groups`). Path "q4": fp32 activations, the fp32 head's logits (no rescore needed);
+    "q4q8": activations quantized to int8 per group of 32 (logits off by ~0.5 %, not rescored)."""
 
-    def __init__(self, q: Tensor, d: Tensor):
+    def __init__(self, q: Tensor, d: Tensor, path: str = "q4"):
         super().__init__()
+        if path not in GROUPED_PATHS:
+            raise ValueError(f"GroupedHead path must be one of {', '.join(GROUPED_PATHS)}; got {path!r}")
+        self.path = path
         self.register_buffer("qs", q)
         self.register_buffer("d", d)
 
     def forward(self, h: Tensor, weight: Tensor) -> Tensor:
+        if self.path == "q4q8":
+            return torch.ops.dpserve.q8q8_linear(h.float(), self.qs, self.d)
         return torch.ops.dpserve.q8_linear(h.float(), self.qs, self.d)
 
 

@@ -84,7 +84,9 @@ class EngineConfig:
     # How a GGUF's Q4_1 linear weights run on CPU (cpu_paths.py): "int4" torch's int4 kernel (bf16 activations),
     # bf16 hi+lo prefill copies and an int8/bf16 LM head rescored in fp32 (for CPUs with bf16 in hardware); "q4"
     # the engine's grouped kernels with fp32 activations, fp32 prefill copies and the Q8_0 head in the grouped
-    # kernel (for CPUs that emulate bf16); "auto" (default): chosen for the CPU, GGUF on CPU only, else none.
+    # kernel (for CPUs that emulate bf16); "q4q8" as "q4" with decode rows and the head on int8 activations
+    # (only when asked for: not fp32's greedy tokens); "auto" (default): chosen for the CPU (int4 or q4), GGUF on
+    # CPU only, else none.
     # None / "none": dequantized weights in `dtype`.
     quantization: str | None = "auto"
     # False: compile the decode step at start-up on CPU (compiled.py); True: eager PyTorch only (vLLM's
@@ -105,9 +107,9 @@ class EngineConfig:
     cache_dir: str = dataclasses.field(default_factory=_cache_dir_from_env)  # default: $DPSERVE_CACHE_DIR
 
     def resolved_quantization(self, device_type: str) -> str | None:
-        """None: dequantized weights. "int4" / "q4": the GGUF's groups on that kernel path, as given. "auto": a
-        GGUF model on CPU, on the path cpu_paths.py chooses for the CPU (None for anything else, the upcycled MoE
-        model included: its experts are dequantized copies)."""
+        """None: dequantized weights. "int4" / "q4" / "q4q8": the GGUF's groups on that kernel path, as given.
+        "auto": a GGUF model on CPU, on the path cpu_paths.py chooses for the CPU (None for anything else, the
+        upcycled MoE model included: its experts are dequantized copies)."""
         if self.quantization in (None, "none"):
             return None
         if self.quantization != "auto":
