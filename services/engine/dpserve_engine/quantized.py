@@ -45,7 +45,9 @@ class GroupedLinear(nn.Module):
       activations to int8 per group of 32 and takes integer dot products (llama.cpp's way; not fp32's results).
 
     Decode rows (`split.decode_rows`, the leading rows) take the 4-bit kernel and prefill rows the dense copy.
-    Each kind of row always takes the same path, so a request's tokens do not depend on what it is batched with.
+    Each kind of row always takes the same path. Decode rows give the same bits in any batch; the dense copy's
+    prefill rows do on "int4" (bf16 GEMM calls of 32 rows), while MKL's sgemm on "q4"/"q4q8" sums a row in an
+    order that depends on the call's row count (README, precision).
     """
 
     group_size = 32
