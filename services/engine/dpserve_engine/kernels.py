@@ -33,6 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # in the build key too
 _lock = threading.Lock()
 _loaded: str | None = None  # the loaded library's path
 
@@ -94,7 +95,7 @@ def _inductor_flags() -> list[str]:
 def _build(out_dir: Path) -> str:
     from torch.utils.cpp_extension import include_paths
 
-    source = "\n".join(p.read_text() for p in _SOURCES)
+    source = "\n".join(p.read_text() for p in [*_SOURCES, *_HEADERS])
     cxx = os.environ.get("CXX", "g++")
     flags = _flags(out_dir)
     key = hashlib.sha256("\n".join([source, torch.__version__, cxx, *flags]).encode()).hexdigest()[:16]

@@ -17,6 +17,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "grouped_args.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -186,14 +188,9 @@ template <typename Q>
 at::Tensor grouped_linear(const char* name, const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
                           const at::Tensor* m_in, int64_t weights_per_byte, at::ScalarType q_type) {
   // x [M, K] fp32; qs [N, K / weights_per_byte]; d (and m) [N, K / 32] fp32 -> [M, N] fp32
-  TORCH_CHECK(x_in.dim() == 2 && qs_in.dim() == 2 && d_in.dim() == 2, name, ": bad ranks");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && d_in.scalar_type() == at::kFloat && qs_in.scalar_type() == q_type,
-              name, ": bad dtypes");
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = qs_in.size(0), G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && qs_in.size(1) == K / weights_per_byte && d_in.size(0) == N && d_in.size(1) == G,
-              name, ": shapes do not match");
-  TORCH_CHECK(m_in == nullptr || (m_in->scalar_type() == at::kFloat && m_in->sizes() == d_in.sizes()),
-              name, ": minima do not match the scales");
+  const dpserve_grouped::Shape shape =
+      dpserve_grouped::check_args(name, x_in, qs_in, d_in, m_in, weights_per_byte, q_type);
+  const int64_t M = shape.M, K = shape.K, N = shape.N, G = shape.G;
   const at::Tensor x = x_in.contiguous(), qs = qs_in.contiguous(), d = d_in.contiguous();
   const at::Tensor m = m_in ? m_in->contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, N}, x.options());
