@@ -33,6 +33,8 @@ import threading
 import time
 import urllib.request
 
+from dpserve.bench.metrics import engine_metrics
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("shared", "services/engine", "services/coordinator", "services/frontend", "")
 TROUBLE = re.compile(r"shutting down: draining|unregistered|replacement|refused|DEAD|already served|cannot bind|"
@@ -201,14 +203,9 @@ class Matrix:
         self.signal(b, signal.SIGTERM)
 
 
-def _successes(url: str) -> dict[str, float]:
-    body = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    served: dict[str, float] = {}
-    for line in body.splitlines():
-        match = re.match(r'vllm:request_success_total\{.*engine="(\d+)".*\} (\S+)', line)
-        if match:
-            served[match.group(1)] = served.get(match.group(1), 0.0) + float(match.group(2))
-    return served
+def _successes(url: str) -> dict[int, float]:
+    """Requests each rank finished, from the deployment's /metrics."""
+    return engine_metrics(url).get("vllm:request_success_total", {})
 
 
 SCENARIOS = ("kill", "killcoord", "midstart", "side")

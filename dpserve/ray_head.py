@@ -12,12 +12,12 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from dpserve_coordinator.settings import local_ray_num_cpus
+from dpserve_shared.net import free_port
 
 _READY_LINE = b"Ray runtime started"
 _START_TIMEOUT_S = 90.0
@@ -26,12 +26,6 @@ _STOP_TIMEOUT_S = 15.0
 
 class RayHeadError(Exception):
     pass
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def ray_env(base: dict[str, str]) -> dict[str, str]:
@@ -55,7 +49,7 @@ class RayHead:
                  preexec_fn=None):  # fmt: skip
         self.temp_dir = temp_dir
         self.host = host if host not in ("", "0.0.0.0", "::", "localhost") else "127.0.0.1"
-        self.port = _free_port(self.host)
+        self.port = free_port(self.host)
         self.env = env
         self.log_path = os.path.join(temp_dir, "ray-start.log")
         self._num_cpus = local_ray_num_cpus(data_parallel_size_local)

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from dpserve_shared.net import free_port  # noqa: F401 - the tests import it from here
 
 # Engines run eager PyTorch unless a test asks otherwise: compiling the decode step costs ~2 min per engine on a
 # cold cache (tests/model/test_engine_real.py covers the compiled path). Subprocesses inherit it.
@@ -44,12 +44,6 @@ DPSERVE = os.path.join(VENV_BIN, "dpserve")
 STARTUP_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 60.0
 _RAY_PROCESS_NAMES = ("raylet", "gcs_server", "ray::", "ray/dashboard", "ray/_private", "ray/autoscaler")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _proc_table() -> dict[int, tuple[int, str]]:

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ import urllib.error
 import urllib.request
 
 import orjson
+from dpserve_shared.net import free_port
 
 FAULTS = ("kill", "stop", "actor", "coordinator")
 
@@ -72,12 +72,6 @@ class Fault:
 
 
 # -- the deployment -------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict]:
@@ -132,13 +126,13 @@ class Deployment:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.proc: subprocess.Popen | None = None
-        self.rpc_port = args.data_parallel_rpc_port or _free_port()
+        self.rpc_port = args.data_parallel_rpc_port or free_port()
         self.url = args.base_url.rstrip("/") if args.base_url else ""
 
     def start(self) -> None:
         if self.url:
             return
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = [os.path.join(os.path.dirname(sys.executable), "dpserve"), "serve", "--host", "127.0.0.1", "--port", str(port),
                "--data-parallel-size", str(self.args.data_parallel_size),

@@ -41,7 +41,7 @@ import os
 import time
 import urllib.request
 
-from dpserve.bench.chaos import Deployment, _free_port, _get_json, coordinator_pid
+from dpserve.bench.chaos import Deployment, _get_json, coordinator_pid
 from dpserve.bench.chaos import _log as log
 from dpserve.bench.client import ClientConfig, send_request
 from dpserve.bench.metrics import RequestResult, compute_metrics
@@ -54,6 +54,7 @@ from dpserve.bench.routing_workload import (
     oracle_cached_tokens,
 )
 from dpserve.bench.runner import Progress
+from dpserve_shared.net import free_port
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
 TARGETS = {"imbalance_max": 1.1, "hit_vs_oracle_min": 0.9, "snapshot_age_p99_ms_max": 200.0,
@@ -166,7 +167,7 @@ class RoutingDeployment(Deployment):
     log_prefix = "routing"
 
     def __init__(self, args: argparse.Namespace, policy: str):
-        self.status_port = _free_port()
+        self.status_port = free_port()
         serve_args = ["--null-engine", "--routing", policy, "--api-server-count", str(args.api_server_count),
                       "--null-step-time-ms", str(args.null_step_time_ms),
                       "--null-prefill-time-per-token-s", str(args.null_prefill_time_per_token_s),

@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import orjson
 import pytest
+
+from dpserve_shared.net import free_port
 
 from dpserve.bench.serve import main
 
 # ---------------------------------------------------------------------------------------------------------------
 # End to end against a fake streaming server
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _fake_server(port: int, seen: list):
@@ -66,7 +61,7 @@ async def _fake_server(port: int, seen: list):
 def test_main_end_to_end_against_fake_server(tmp_path, endpoint, capsys):
     import threading
 
-    port = _free_port()
+    port = free_port()
     seen: list = []
     loop = asyncio.new_event_loop()
     runner = loop.run_until_complete(_fake_server(port, seen))
@@ -108,7 +103,7 @@ def test_main_end_to_end_against_fake_server(tmp_path, endpoint, capsys):
 def test_main_reports_failures(tmp_path):
     import threading
 
-    port = _free_port()
+    port = free_port()
     loop = asyncio.new_event_loop()
     runner = loop.run_until_complete(_fake_server(port, []))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -131,14 +126,14 @@ def test_main_reports_failures(tmp_path):
 
 
 def test_main_server_down_is_an_error():
-    assert main(["--base-url", f"http://127.0.0.1:{_free_port()}", "--no-progress"]) == 1
+    assert main(["--base-url", f"http://127.0.0.1:{free_port()}", "--no-progress"]) == 1
 
 
 @pytest.mark.timeout(60)
 def test_main_poisson_rate(tmp_path):
     import threading
 
-    port = _free_port()
+    port = free_port()
     seen: list = []
     loop = asyncio.new_event_loop()
     runner = loop.run_until_complete(_fake_server(port, seen))

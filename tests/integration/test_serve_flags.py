@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from dpserve_shared.net import free_port
+
 DPSERVE = os.path.join(os.path.dirname(sys.executable), "dpserve")
 
 
@@ -23,12 +25,6 @@ def test_serve_on_a_busy_port_fails_at_once_and_starts_nothing():
     last = done.stderr.strip().splitlines()[-1]
     assert last == f"dpserve serve: error: --port {port}: 127.0.0.1:{port} is already in use by another process"
     assert "starting" not in done.stderr and "Ray" not in done.stderr  # nothing was started
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -71,7 +67,7 @@ def test_sigint_during_start_up_stops_everything_and_removes_rays_temp_dir(tmp_p
     import signal
     import time
 
-    port, rpc_port = _free_port(), _free_port()
+    port, rpc_port = free_port(), free_port()
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([DPSERVE, "serve", "--host", "127.0.0.1", "--port", str(port), "-dp", "1",

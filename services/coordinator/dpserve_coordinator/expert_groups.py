@@ -30,6 +30,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
+from dpserve_shared.net import free_port
 from dpserve_shared.schema import EngineState, ExpertGroup, ExpertGroupBroken, ExpertGroupJoined, StartWave
 from dpserve_shared.timing import EXPERT_GROUP_TIMEOUT_S
 from dpserve_shared.waves import LockstepCoordinatorWaves
@@ -50,13 +51,6 @@ Publish = Callable[[object], None]  # one broadcast
 
 class FormationFailed(Exception):
     pass
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (the group's; rank 0 binds it when it joins)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _is_local(host: str) -> bool:

@@ -29,6 +29,8 @@
 
 namespace {
 
+using dpserve_grouped::min_term;
+
 constexpr int64_t kGroup = 32;
 constexpr int kRowBlock = 8;
 
@@ -43,26 +45,9 @@ inline float fixed_sum(const float* a, int64_t n) {
   return s;
 }
 
-// sum_g m[g] * sx[g], in a fixed order.
-inline float min_term(const float* m, const float* sx, int64_t G) {
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8)
-    for (int l = 0; l < 8; ++l) lanes[l] += m[g + l] * sx[g + l];
-  float s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-  for (; g < G; ++g) s += m[g] * sx[g];
-  return s;
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 
-inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);                   // lanes (0+4, 1+5, 2+6, 3+7)
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));          // (0+4 + 2+6, 1+5 + 3+7)
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-  return _mm_cvtss_f32(s);
-}
+using dpserve_grouped::hsum8;
 
 // Rows 0..MB-1 of x (row stride K) against one output's groups: dot[i] = sum_g d[g] * (q_g . x_i,g).
 template <int MB>
@@ -188,11 +173,9 @@ template <typename Q>
 at::Tensor grouped_linear(const char* name, const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
                           const at::Tensor* m_in, int64_t weights_per_byte, at::ScalarType q_type) {
   // x [M, K] fp32; qs [N, K / weights_per_byte]; d (and m) [N, K / 32] fp32 -> [M, N] fp32
-  const dpserve_grouped::Shape shape =
-      dpserve_grouped::check_args(name, x_in, qs_in, d_in, m_in, weights_per_byte, q_type);
-  const int64_t M = shape.M, K = shape.K, N = shape.N, G = shape.G;
-  const at::Tensor x = x_in.contiguous(), qs = qs_in.contiguous(), d = d_in.contiguous();
-  const at::Tensor m = m_in ? m_in->contiguous() : at::Tensor();
+  const dpserve_grouped::Args a = dpserve_grouped::prepare(name, x_in, qs_in, d_in, m_in, weights_per_byte, q_type);
+  const int64_t M = a.M, K = a.K, N = a.N, G = a.G;
+  const at::Tensor &x = a.x, &qs = a.qs, &d = a.d, &m = a.m;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* xp = x.data_ptr<float>();
@@ -210,9 +193,7 @@ at::Tensor grouped_linear(const char* name, const at::Tensor& x_in, const at::Te
   const float* mp = m_in ? m.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = K / weights_per_byte;
-  // ~8 K flops an output and row: enough outputs a task that a thread's share is worth waking it for
-  const int64_t grain = std::max<int64_t>(16, 32768 / (K * std::min<int64_t>(M, kRowBlock)));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, dpserve_grouped::output_grain(K, M, kRowBlock), [&](int64_t n0, int64_t n1) {
     for (int64_t i0 = 0; i0 < M; i0 += kRowBlock) {
       const int64_t mb = std::min<int64_t>(kRowBlock, M - i0);
       kBlocks<Q>[mb - 1](xp + i0 * K, K, qp, row_bytes, dp, mp, sx ? sx + i0 * G : nullptr, G, n0, n1,
