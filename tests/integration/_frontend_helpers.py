@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import threading
 import time
+import uuid
 
 import zmq
 
@@ -159,7 +160,7 @@ async def frontend_client(model_info, engines=(), **settings_kwargs):
     from dpserve_frontend.app import STATE_KEY, init_app, server_options
     from dpserve_frontend.settings import FrontendSettings
 
-    settings = FrontendSettings(frontend_id="fe-test", stats_interval_s=0, **settings_kwargs)
+    settings = FrontendSettings(frontend_id=f"fe-test-{uuid.uuid4().hex[:8]}", stats_interval_s=0, **settings_kwargs)
     app = init_app(settings, model_info=model_info)
     server = TestServer(app)
     await server.start_server(**server_options(settings))  # (TestServer() drops its own keyword arguments)

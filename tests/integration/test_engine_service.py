@@ -156,6 +156,27 @@ def test_registers_serves_routes_and_answers_errors(coordinator):
     ctx.destroy(0)
 
 
+def test_an_api_server_reconnecting_under_its_id_takes_it_over(coordinator):
+    """A restarted API server (same --frontend-id) whose old connection is still open gets its answers: ZMQ's
+    ROUTER would refuse the second connection under an id in use unless the engine sets ROUTER_HANDOVER."""
+    service, thread, errors = start_engine(coordinator)
+    register(coordinator, rank=0)
+    ctx = zmq.Context()
+    try:
+        old = frontend(service, ctx, b"fe-same")
+        old.send(encode(EngineRequest("before", [1, 2], SamplingParams(max_tokens=1))))
+        assert set(outputs_until_finished(old, {"before"})) == {"before"}
+        new = frontend(service, ctx, b"fe-same")  # the old socket stays connected
+        new.send(encode(EngineRequest("after", [3, 4], SamplingParams(max_tokens=2))))
+        got = outputs_until_finished(new, {"after"})
+        assert sum(len(o.new_token_ids) for o in got["after"]) == 2
+    finally:
+        service.stop(drain=False, reason="test over")
+        thread.join(10)
+        ctx.destroy(0)
+    assert not thread.is_alive() and not errors
+
+
 def test_frontend_gone_aborts_its_requests(coordinator):
     service, thread, errors = start_engine(coordinator, step_time_s=0.01)
     register(coordinator)

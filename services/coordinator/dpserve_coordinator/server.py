@@ -206,6 +206,7 @@ class Coordinator:
         self.settings.zmq_security.server(self.control, "control socket")
         self.settings.zmq_security.server(self.pub, "broadcast socket")
         self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting under its id takes it over (not refused)
         try:
             self.control.bind(self.settings.control_addr)
         except zmq.ZMQError as e:

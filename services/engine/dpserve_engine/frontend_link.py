@@ -65,6 +65,10 @@ class FrontendLink:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop outputs for a slow frontend
         sock.setsockopt(zmq.RCVHWM, 0)
+        # An API server that reconnects under the same id (restarted with --frontend-id, or its old connection not
+        # yet timed out) takes the id over; by default ZMQ would refuse the new connection and its requests would
+        # never be answered.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         host = self._settings.host
         bind_host = "*" if host in ("0.0.0.0", "*") else host
         if self._settings.port:
