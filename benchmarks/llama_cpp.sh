@@ -3,6 +3,10 @@
 # PyPI's llama-cpp-python sdist, run it on the bundled GGUF, and compare it with dpserve using the same client.
 #
 #   benchmarks/llama_cpp.sh build              # once: download the sdist, cmake Release build of llama-server (niced)
+#   LLAMA_ISA=avx2 benchmarks/llama_cpp.sh build   # the same, built for AVX2 only (GGML_NATIVE=OFF: AVX2, FMA, F16C,
+#                                              # BMI2; no AVX-512, VNNI or AMX), the build an AVX2-only CPU gets; it
+#                                              # lands in its own folder and `serve`/`compare` use it under the same
+#                                              # LLAMA_ISA
 #   benchmarks/llama_cpp.sh serve [PORT]       # run it: -t 2 --parallel 32 on SmolLM2-135M-Instruct.Q4_1.gguf
 #   benchmarks/llama_cpp.sh compare [ARGS...]  # end-to-end comparison (benchmarks/compare.py --only llama ARGS...):
 #                                              # 128 prompt / 64 output tokens with ignore_eos; concurrency 32 with
@@ -10,7 +14,7 @@
 #
 # Everything lands in .bench-cache/ (gitignored). The build needs cmake and a C++ compiler; no network beyond PyPI
 # (the embedded web UI is not fetched). Environment: PY (default .venv/bin/python), JOBS (default 2),
-# LLAMA_CPP_PYTHON_VERSION (default: the newest sdist).
+# LLAMA_CPP_PYTHON_VERSION (default: the newest sdist), LLAMA_ISA (native, the default, or avx2).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -18,7 +22,13 @@ CACHE="$ROOT/.bench-cache"
 PY="${PY:-$ROOT/.venv/bin/python}"
 JOBS="${JOBS:-2}"
 SRC_DIR="$CACHE/src"
-BUILD_DIR="$CACHE/llama.cpp-build"
+LLAMA_ISA="${LLAMA_ISA:-native}"
+case "$LLAMA_ISA" in
+    native) BUILD_DIR="$CACHE/llama.cpp-build"; ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    avx2) BUILD_DIR="$CACHE/llama.cpp-build-avx2"; ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+                                                       -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
+    *) echo "LLAMA_ISA must be native or avx2, got $LLAMA_ISA" >&2; exit 2 ;;
+esac
 BIN="$BUILD_DIR/bin/llama-server"
 
 gguf() {
@@ -44,10 +54,10 @@ build() {
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_COMMON=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
         -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
-        -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF
+        "${ISA_FLAGS[@]}" -DBUILD_SHARED_LIBS=OFF
     nice -n 19 cmake --build "$BUILD_DIR" --target llama-server -j "$JOBS"
     local took=$((SECONDS - start))
-    echo "$(basename "$dir"): llama-server built in ${took}s with $JOBS jobs ($(nproc) CPUs) on $(date -u +%F)" \
+    echo "$(basename "$dir") ($LLAMA_ISA): llama-server built in ${took}s with $JOBS jobs ($(nproc) CPUs) on $(date -u +%F)" \
         | tee "$BUILD_DIR/BUILD_INFO"
     "$BIN" --version 2>&1 | tail -2 || true
 }

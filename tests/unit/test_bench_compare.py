@@ -54,3 +54,16 @@ def test_markdown_report(compare):
 def test_median_of_rounds(compare):
     assert compare.med([3.0, 1.0, 2.0]) == 2.0
     assert compare.med([]) != compare.med([])  # nan
+
+
+def test_machine_line_names_what_held_the_isa_down_and_the_llama_build(compare):
+    path = {"path": "q4", "decode": "grouped q4", "prefill": "fp32", "head": "grouped q8"}
+    record = {"num_cpus": 2, "cpu_model": "Xeon", "torch_capability": "AVX2", "flags": ["avx2", "avx512f"],
+              "isa_env": {"ATEN_CPU_CAPABILITY": "avx2"}, "kernel_path": path, "python": "3.11", "torch": "2.13"}
+    line = compare.machine(record)
+    assert "torch capability AVX2" in line and "ATEN_CPU_CAPABILITY=avx2" in line and "kernel path q4 (" in line
+    c1 = {"ratio": 0.9, "dpserve": 11.0, "llama": 10.0, "metric": "median_tpot_ms", "target": ">= 1.0",
+          "rounds": [{"ratio": 0.9}]}
+    results = {"machine": record, "llama_cpp": {"c1_tpot": c1, "setup": "s", "llama_build": "llama (avx2): built"}}
+    text = compare.markdown(results, "cmd")
+    assert "(llama (avx2): built); per round: c1_tpot 0.900" in text and "{path" not in text

@@ -99,3 +99,19 @@ def test_decode_benchmark_times_every_path(engine_cache_dir):
     kernels.load(engine_cache_dir)
     run = cpu_paths.decode_benchmark(dim=64, ffn_dim=128, rows=(1, 2))
     assert all(run(path) > 0 for path in cpu_paths.PATHS)
+
+
+def test_torch_held_to_avx2_on_a_bf16_cpu_takes_the_avx2_path():
+    """ATEN_CPU_CAPABILITY=avx2 on an AMX machine: torch's int4 kernel runs its 256-bit code, emulating bf16."""
+    held = CpuInfo(AMX.model_name, AMX.flags, "AVX2")
+    assert held.bf16_in_hardware and not held.has_bf16
+    chosen = cpu_paths.choose(held, benchmark=never)
+    assert chosen.path == "q4" and "ATEN_CPU_CAPABILITY" in chosen.reason
+
+
+def test_describe_records_what_holds_the_vector_code_down(monkeypatch):
+    for name in cpu_paths.ISA_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert "isa_env" not in AVX2.describe()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert AVX2.describe()["isa_env"] == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}

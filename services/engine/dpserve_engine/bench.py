@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> float:
     machine = cpu_paths.detect().describe()
     paths = core.runner.model.kernel_paths
     print(f"cpu={machine['cpu_model']!r} torch_capability={machine['torch_capability']} "
-          f"flags={','.join(machine['flags']) or '-'} kernel_path={paths.path if paths else None}")
+          f"flags={','.join(machine['flags']) or '-'} kernel_path={paths.path if paths else None}"
+          + "".join(f" {k}={v}" for k, v in machine.get("isa_env", {}).items()))
     print(f"model={config.model} device={core.runner.device} precision={core.runner.model.prec} "
           f"threads={torch.get_num_threads()} batch={args.batch} compiled={core.runner.compiled is not None}")
     start_requests(core, args.batch, args.prompt_len, max_tokens)

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 # The flags that decide a path, and that benchmarks record
 RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
                   "amx_int8", "avx_vnni")  # fmt: skip
+# What holds the libraries' vector code below the CPU's (benchmarks record them: `isa_env`); all three set to AVX2
+# make an AVX-512 machine run the code an AVX2-only one runs (README, "Kernel paths")
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 PATHS = ("int4", "q4", "q4q8")  # what --quantization may force
 AUTO_PATHS = ("int4", "q4")  # what the automatic choice picks from (q4q8 only when forced)
 
@@ -48,9 +51,15 @@ class CpuInfo:
     capability: str  # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT", ...
 
     @property
-    def has_bf16(self) -> bool:
-        """bf16 multiplies in hardware (else torch emulates them)."""
+    def bf16_in_hardware(self) -> bool:
         return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+
+    @property
+    def has_bf16(self) -> bool:
+        """bf16 multiplies in hardware, and torch's kernels may use them: with its vector code held to AVX2
+        (ATEN_CPU_CAPABILITY=avx2, e.g. to measure the AVX2 path on an AVX-512 machine) its int4 kernel runs
+        256-bit code that emulates bf16."""
+        return self.bf16_in_hardware and self.capability.startswith("AVX512")
 
     @property
     def has_avx512(self) -> bool:
@@ -63,6 +72,7 @@ class CpuInfo:
             "torch_capability": self.capability,
             "flags": [f for f in RELEVANT_FLAGS if f in self.flags],
             "num_cpus": os.cpu_count(),
+            **({"isa_env": env} if (env := {k: os.environ[k] for k in ISA_ENV if os.environ.get(k)}) else {}),
         }
 
 
@@ -125,6 +135,9 @@ def choose(cpu: CpuInfo, forced: str | None = None, benchmark: Benchmark | None 
         return KernelPaths(forced, f"--quantization {forced}")
     if cpu.has_bf16:
         return KernelPaths("int4", "bf16 in hardware (avx512_bf16/amx_bf16): torch's int4 and bf16 kernels")
+    if cpu.bf16_in_hardware:  # torch held below AVX-512
+        return KernelPaths("q4", f"torch's vector code held to {cpu.capability} (ATEN_CPU_CAPABILITY): bf16 is "
+                                 "emulated there, fp32 activations are faster")  # fmt: skip
     if not cpu.has_avx512:
         what = "AVX2" if "avx2" in cpu.flags else "no AVX2"
         return KernelPaths("q4", f"{what}, no bf16 in hardware: bf16 is emulated, fp32 activations are faster")
