@@ -37,7 +37,7 @@ API_KEY = "fuzz-test-key"
 MAX_BODY_BYTES = 64 * 1024  # small, so that bodies near and over it stay cheap to send thousands of times
 HEADER_TIMEOUT_S = 2  # --request-header-timeout: also the idle keep-alive time
 BODY_TIMEOUT_S = 2  # --request-body-timeout
-NUM_BATCHES = 400  # hypothesis examples, each a batch of requests
+NUM_BATCHES = 260  # hypothesis examples, each a batch of requests
 BATCH_SIZE = 20  # NUM_BATCHES * BATCH_SIZE >= MIN_REQUESTS
 IN_FLIGHT = 24  # requests sent together (slow clients and idle connections hold their slot for seconds)
 MAX_QUEUED = 200  # requests generated but not answered yet, at most
