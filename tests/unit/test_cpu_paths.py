@@ -82,7 +82,7 @@ def test_detect_reads_model_and_flags(tmp_path):
     fake.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx avx2 fma avx512f avx512_bf16\n\n"
                     "processor\t: 1\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx avx2 fma avx512f avx512_bf16\n")
     cpu = cpu_paths.detect(str(fake))
-    assert cpu.model_name == "Test CPU 9000" and cpu.has_bf16 and "avx512f" in cpu.flags
+    assert cpu.model_name == "Test CPU 9000" and cpu.bf16_in_hardware and "avx512f" in cpu.flags
     described = cpu.describe()
     assert described["cpu_model"] == "Test CPU 9000" and "avx512_bf16" in described["flags"]
     assert described["torch_capability"]  # torch's own view of this machine
