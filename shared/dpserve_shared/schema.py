@@ -6,7 +6,7 @@ format: append new fields at the end with a default, and bump PROTOCOL_VERSION f
 
 They are grouped by where they go:
 
-- ToEngine:      frontend -> engine ROUTER (requests, aborts); nothing else is valid there
+- ToEngine:      frontend -> engine ROUTER (requests, aborts), and a rank's CoreUse to the ranks on its node
 - ToFrontend:    engine ROUTER -> frontend DEALER (EngineOutputs, EngineHello)
 - ToCoordinator: frontend/engine DEALER -> coordinator control ROUTER
 - FromCoordinator: control replies and PUB broadcasts (to frontends and engines alike)
@@ -22,7 +22,7 @@ import msgspec
 
 # 2: WaveComplete, ReleaseRequests, prefix_block_hashes removed; 3: EngineRequest.num_generated; 4: lock-step waves
 # (WaveComplete again, ExpertGroup, EngineLoad's lock-step counters)
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag=True, kw_only=False):
@@ -181,6 +181,15 @@ class EngineRequest(_Msg, tag="add"):
 
 class AbortRequests(_Msg, tag="abort"):
     request_ids: list[str]
+
+
+class CoreUse(_Msg, tag="core_use"):
+    """Engine rank -> the other ranks on its node (their ROUTER): it has work now (`busy`) or none. Sent when that
+    changes, before the step's outputs go out, so that a neighbour picking up the next request already knows how
+    many of the node's cores are free (engine threads.py); the coordinator's LoadSnapshot says it later."""
+
+    rank: int
+    busy: bool
 
 
 class StartWave(_Msg, tag="start_wave"):
@@ -473,7 +482,7 @@ class KvIndexSnapshot(_Msg, tag="kv_index"):
     ranks: list[RankBlocks] = []
 
 
-ToEngine = EngineRequest | AbortRequests
+ToEngine = EngineRequest | AbortRequests | CoreUse
 ToFrontend = EngineOutputs | EngineHello
 ToCoordinator = (
     RegisterEngine

@@ -12,11 +12,14 @@ from dpserve_engine.null_core import NullEngineCore
 from dpserve_engine.coordinator_link import RegistrationFailed
 from dpserve_engine.service import EngineService
 from dpserve_engine.settings import ServiceSettings
-from dpserve_shared.codec import coordinator_decoder, encode, frontend_decoder
+from dpserve_shared.codec import coordinator_decoder, encode, engine_decoder, frontend_decoder
 from dpserve_shared.envelope import frames, split
 from dpserve_shared.zmq_security import ZmqSecurity
 from dpserve_shared.schema import (
+    CoreUse,
     EngineHello,
+    EngineInfo,
+    EngineState,
     EngineOutputs,
     EngineRequest,
     EngineStats,
@@ -28,6 +31,7 @@ from dpserve_shared.schema import (
     RegisterEngine,
     SamplingParams,
     Shutdown,
+    Topology,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -170,6 +174,52 @@ def test_an_api_server_reconnecting_under_its_id_takes_it_over(coordinator):
         new.send(encode(EngineRequest("after", [3, 4], SamplingParams(max_tokens=2))))
         got = outputs_until_finished(new, {"after"})
         assert sum(len(o.new_token_ids) for o in got["after"]) == 2
+    finally:
+        service.stop(drain=False, reason="test over")
+        thread.join(10)
+        ctx.destroy(0)
+    assert not thread.is_alive() and not errors
+
+
+def test_ranks_on_one_node_tell_each_other_when_they_get_work_and_run_out_of_it(coordinator):
+    """Adaptive threads: a rank sends CoreUse to the other ranks on its node (here a ROUTER standing in for rank 1)
+    when it gets work and when it runs out, and takes a neighbour's CoreUse into its thread budget at once."""
+    service, thread, errors = start_engine(coordinator, step_time_s=0.01, adaptive_threads=True)
+    register(coordinator, rank=0)
+    ctx = zmq.Context()
+    neighbour = ctx.socket(zmq.ROUTER)
+    ZmqSecurity.from_environment().server(neighbour, "test neighbour")
+    neighbour_addr = f"tcp://127.0.0.1:{neighbour.bind_to_random_port('tcp://127.0.0.1')}"
+    node = service.threads.node_ip
+    try:
+        deadline = time.monotonic() + 10
+        while 1 not in service.threads.neighbours:  # the SUB joins late: publish until the topology lands
+            assert time.monotonic() < deadline, "the topology never reached the engine"
+            coordinator.publish(Topology(2, [EngineInfo(0, "e0", service.input_addr, EngineState.READY, node),
+                                             EngineInfo(1, "e1", neighbour_addr, EngineState.READY, node)]))  # fmt: skip
+            time.sleep(0.05)
+        fe = frontend(service, ctx, b"fe-1")
+        fe.send(encode(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=5))))
+        assert outputs_until_finished(fe, {"a"})["a"][-1].finish_reason == FinishReason.LENGTH
+        decoder = engine_decoder()
+        notices = []
+        while notices[-2:] != [CoreUse(0, busy=True), CoreUse(0, busy=False)]:
+            assert neighbour.poll(5000), f"notices so far: {notices}"
+            identity, data = neighbour.recv_multipart()
+            notices.append(decoder.decode(data))
+        # its state when it first saw the neighbour (idle), then one notice per change, none repeated
+        assert notices in ([CoreUse(0, busy=False), CoreUse(0, busy=True), CoreUse(0, busy=False)],
+                           [CoreUse(0, busy=True), CoreUse(0, busy=False)]), notices  # fmt: skip
+        assert identity == b"rank-0-notices"
+        # the other way: rank 1 says it has work (on a DEALER, as ranks connect); rank 0 halves its share
+        peer = frontend(service, ctx, b"rank-1-notices")
+        peer.send(encode(CoreUse(1, busy=True)))
+        deadline = time.monotonic() + 5
+        while not service.threads._busy.get(1):
+            assert time.monotonic() < deadline, "rank 0 did not take the notice"
+            time.sleep(0.01)
+        assert service.threads.wanted() == max(1, service.threads.cores // 2)
+        assert not peer.poll(200), "a neighbour is not a frontend: no EngineHello"
     finally:
         service.stop(drain=False, reason="test over")
         thread.join(10)

@@ -21,6 +21,7 @@ import zmq
 from dpserve_shared.codec import encode, engine_decoder
 from dpserve_shared.schema import (
     AbortRequests,
+    CoreUse,
     EngineHello,
     EngineLoad,
     EngineOutputs,
@@ -86,22 +87,26 @@ class FrontendLink:
 
     # -- in -------------------------------------------------------------------------------------------------------
 
-    def receive(self, rank: int) -> Iterator[tuple[bytes, EngineRequest | AbortRequests]]:
-        """Every queued message, without blocking: (frontend identity, request or abort). A new frontend gets
-        `EngineHello(rank)` first; undecodable and unexpected messages are logged and skipped."""
+    def receive(self, rank: int) -> Iterator[tuple[bytes, EngineRequest | AbortRequests | CoreUse]]:
+        """Every queued message, without blocking: (frontend identity, request or abort), or a neighbour rank's
+        CoreUse. A new frontend gets `EngineHello(rank)` first; undecodable and unexpected messages are logged and
+        skipped."""
         while True:
             try:
                 identity, data = self.frontend_socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if identity not in self._known_frontends:
-                self._known_frontends.add(identity)
-                self.frontend_socket.send_multipart([identity, encode(EngineHello(rank))])
             try:
                 msg = self._decoder.decode(data)
             except msgspec.DecodeError as e:
                 log.warning("undecodable message from frontend %r: %s", identity, e)
                 continue
+            if isinstance(msg, CoreUse):  # another rank on this node, not a frontend
+                yield identity, msg
+                continue
+            if identity not in self._known_frontends:
+                self._known_frontends.add(identity)
+                self.frontend_socket.send_multipart([identity, encode(EngineHello(rank))])
             if isinstance(msg, EngineRequest):
                 self._count(identity, msg)
                 yield identity, msg

@@ -49,6 +49,7 @@ import zmq
 from dpserve_shared.schema import (
     PROTOCOL_VERSION,
     AbortRequests,
+    CoreUse,
     EngineLoad,
     EngineRequest,
     EngineStats,
@@ -77,7 +78,7 @@ from dpserve_engine.lifecycle import Lifecycle, ProcessState
 from dpserve_engine.lockstep import Lockstep, SyncFailed, hold
 from dpserve_engine.progress import Ticker
 from dpserve_engine.settings import ServiceSettings, build_parser, config_from_args, settings_from_args
-from dpserve_engine.threads import ThreadBudget
+from dpserve_engine.threads import NodePeers, ThreadBudget
 
 log = logging.getLogger("dpserve.engine")
 
@@ -95,6 +96,7 @@ class EngineService:
         self.ctx = zmq.Context()
         self.frontends = FrontendLink(self.ctx, settings)
         self.coordinator = CoordinatorLink(self.ctx, settings)
+        self.peers = NodePeers(self.ctx, settings.zmq_security)  # CoreUse to the ranks on this node
         self._parent_pid = settings.watch_pid or os.getppid()
         self._num_failed_steps = 0
         self.lockstep: Lockstep | None = None  # --enable-expert-parallel, once the group is joined
@@ -141,7 +143,7 @@ class EngineService:
 
     def _on_registered(self, ack: RegisterAck) -> None:
         if ack.topology is not None:
-            self.threads.on_topology(ack.topology, ack.rank)
+            self._on_topology(ack.topology, ack.rank)
         self.waves.rank = ack.rank
 
     def _join_expert_group(self) -> None:
@@ -244,8 +246,10 @@ class EngineService:
                     self._report_kv_events()
                 self._rejoin_if_due()  # left at the agreed step, its ExpertGroup here
             elif self.core.has_unfinished() and not self.lifecycle.is_stopped:
+                self._tell_neighbours()  # got work: before its first step
                 self._step()
                 self._report_kv_events()
+            self._tell_neighbours()  # ran out of work: before the last outputs go out
             load = self._load()
             self.frontends.flush(load)
             now = time.monotonic()
@@ -351,6 +355,18 @@ class EngineService:
                 self._add(identity, msg)
             elif isinstance(msg, AbortRequests):
                 self.frontends.collect(self.core.abort(msg.request_ids))
+            elif isinstance(msg, CoreUse):
+                self.threads.on_notice(msg)
+
+    def _tell_neighbours(self) -> None:
+        """The ranks on this node learn at once when this one gets work or runs out of it (threads.py)."""
+        if self.threads.enabled and self.threads.neighbours:
+            self.peers.tell(self.rank, self.core.has_unfinished())
+
+    def _on_topology(self, topology: Topology, rank: int) -> None:
+        self.threads.on_topology(topology, rank)
+        if self.threads.enabled:
+            self.peers.follow(rank, self.threads.addresses)
 
     def _add(self, identity: bytes, request: EngineRequest) -> None:
         request_id = request.request_id
@@ -384,7 +400,7 @@ class EngineService:
             elif isinstance(msg, StartWave):
                 self.waves.on_start_wave(msg)  # lock-step: a stale or excluding one is ignored
             elif isinstance(msg, Topology):
-                self.threads.on_topology(msg, self.rank)
+                self._on_topology(msg, self.rank)
             elif isinstance(msg, LoadSnapshot):
                 self.threads.on_loads(msg.loads)
                 if self.lockstep is not None:
@@ -453,6 +469,7 @@ class EngineService:
         return False
 
     def close(self) -> None:
+        self.peers.close()
         self.coordinator.close()
         self.frontends.close()  # lingers: the last outputs (finished requests) must reach their frontends
         self.ctx.term()
