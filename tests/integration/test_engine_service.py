@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -103,6 +104,26 @@ def start_engine(coordinator, step_time_s: float = 0.0, **settings):
     return service, thread, errors
 
 
+@contextlib.contextmanager
+def serving_engine(coordinator, rank: int, **settings):
+    """An engine registered as `rank` and a ZMQ context for the test's sockets; both stopped at the end (and this
+    process's torch thread count, which an engine with adaptive threads changes, restored)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    service, thread, errors = start_engine(coordinator, **settings)
+    register(coordinator, rank=rank)
+    ctx = zmq.Context()
+    try:
+        yield service, ctx
+    finally:
+        service.stop(drain=False, reason="test over")
+        thread.join(10)
+        ctx.destroy(0)
+        torch.set_num_threads(threads)
+    assert not thread.is_alive() and not errors
+
+
 def register(coordinator, rank: int = 3) -> RegisterEngine:
     identity, msg = coordinator.recv(RegisterEngine)
     coordinator.send(identity, RegisterAck(accepted=True, rank=rank, pub_addr=coordinator.pub_addr))
@@ -163,10 +184,7 @@ def test_registers_serves_routes_and_answers_errors(coordinator):
 def test_an_api_server_reconnecting_under_its_id_takes_it_over(coordinator):
     """A restarted API server (same --frontend-id) whose old connection is still open gets its answers: ZMQ's
     ROUTER would refuse the second connection under an id in use unless the engine sets ROUTER_HANDOVER."""
-    service, thread, errors = start_engine(coordinator)
-    register(coordinator, rank=0)
-    ctx = zmq.Context()
-    try:
+    with serving_engine(coordinator, rank=0) as (service, ctx):
         old = frontend(service, ctx, b"fe-same")
         old.send(encode(EngineRequest("before", [1, 2], SamplingParams(max_tokens=1))))
         assert set(outputs_until_finished(old, {"before"})) == {"before"}
@@ -174,24 +192,16 @@ def test_an_api_server_reconnecting_under_its_id_takes_it_over(coordinator):
         new.send(encode(EngineRequest("after", [3, 4], SamplingParams(max_tokens=2))))
         got = outputs_until_finished(new, {"after"})
         assert sum(len(o.new_token_ids) for o in got["after"]) == 2
-    finally:
-        service.stop(drain=False, reason="test over")
-        thread.join(10)
-        ctx.destroy(0)
-    assert not thread.is_alive() and not errors
 
 
 def test_ranks_on_one_node_tell_each_other_when_they_get_work_and_run_out_of_it(coordinator):
     """Adaptive threads: a rank sends CoreUse to the other ranks on its node (here a ROUTER standing in for rank 1)
     when it gets work and when it runs out, and takes a neighbour's CoreUse into its thread budget at once."""
-    service, thread, errors = start_engine(coordinator, step_time_s=0.01, adaptive_threads=True)
-    register(coordinator, rank=0)
-    ctx = zmq.Context()
-    neighbour = ctx.socket(zmq.ROUTER)
-    ZmqSecurity.from_environment().server(neighbour, "test neighbour")
-    neighbour_addr = f"tcp://127.0.0.1:{neighbour.bind_to_random_port('tcp://127.0.0.1')}"
-    node = service.threads.node_ip
-    try:
+    with serving_engine(coordinator, rank=0, step_time_s=0.01, adaptive_threads=True) as (service, ctx):
+        neighbour = ctx.socket(zmq.ROUTER)
+        ZmqSecurity.from_environment().server(neighbour, "test neighbour")
+        neighbour_addr = f"tcp://127.0.0.1:{neighbour.bind_to_random_port('tcp://127.0.0.1')}"
+        node = service.threads.node_ip
         deadline = time.monotonic() + 10
         while 1 not in service.threads.neighbours:  # the SUB joins late: publish until the topology lands
             assert time.monotonic() < deadline, "the topology never reached the engine"
@@ -220,11 +230,6 @@ def test_ranks_on_one_node_tell_each_other_when_they_get_work_and_run_out_of_it(
             time.sleep(0.01)
         assert service.threads.wanted() == max(1, service.threads.cores // 2)
         assert not peer.poll(200), "a neighbour is not a frontend: no EngineHello"
-    finally:
-        service.stop(drain=False, reason="test over")
-        thread.join(10)
-        ctx.destroy(0)
-    assert not thread.is_alive() and not errors
 
 
 def test_frontend_gone_aborts_its_requests(coordinator):
