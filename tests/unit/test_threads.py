@@ -37,9 +37,14 @@ def test_cores_split_among_busy_neighbours_on_the_same_node():
         rank=0,
     )
     assert budget.neighbours == {1, 2}
-    assert budget.target([load(0, running=3), load(1), load(2), load(3, running=9)]) == 4  # alone with work
-    assert budget.target([load(0, running=3), load(1, waiting=1), load(2), load(3, running=9)]) == 2
-    assert budget.target([load(1, running=1), load(2, running=1), load(4, running=1)]) == 1  # 4 // 3
+
+    def wanted(loads):
+        budget.on_loads(loads)
+        return budget.wanted()
+
+    assert wanted([load(0, running=3), load(1), load(2), load(3, running=9)]) == 4  # alone with work
+    assert wanted([load(0, running=3), load(1, waiting=1), load(2), load(3, running=9)]) == 2
+    assert wanted([load(1, running=1), load(2, running=1), load(4, running=1)]) == 1  # 4 // 3
 
 
 def test_applies_only_when_enabled(restore_threads):

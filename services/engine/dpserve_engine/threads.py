@@ -59,10 +59,6 @@ class ThreadBudget:
             self._busy.pop(gone, None)
             self._noticed_at.pop(gone, None)
 
-    def target(self, loads: list[EngineLoad]) -> int:
-        busy = sum(1 for load in loads if load.rank in self.neighbours and (load.num_running or load.num_waiting))
-        return max(1, self.cores // (1 + busy))
-
     def on_loads(self, loads: list[EngineLoad], now: float | None = None) -> None:
         """A LoadSnapshot: every neighbour's state, except where its own, newer notice holds."""
         now = time.monotonic() if now is None else now
@@ -80,6 +76,7 @@ class ThreadBudget:
         self._apply()
 
     def wanted(self) -> int:
+        """The threads for this rank: the node's cores over itself and its neighbours with work."""
         busy = sum(1 for rank in self.neighbours if self._busy.get(rank))
         return max(1, self.cores // (1 + busy))
 
