@@ -144,6 +144,15 @@ class Matrix:
             for line in lines[:20]:
                 print("   ", re.sub(r"\x1b\[[0-9;]*m", "", line)[:200])
 
+    def replacement(self, settle_s: float) -> None:
+        """Deployment B on the default ports as soon as they are free: a burst, `settle_s` for a stray Shutdown or
+        drain to land, another burst, then B stopped."""
+        b = self.start_retrying("B")
+        self.bursts(8000)
+        time.sleep(settle_s)
+        self.bursts(8000)
+        self.signal(b, signal.SIGTERM)
+
     # -- scenarios ---------------------------------------------------------------------------------------------------
 
     def kill(self) -> None:
@@ -151,11 +160,7 @@ class Matrix:
         self.ready(a)
         self.burst(8000)
         self.signal(a, signal.SIGKILL, wait=False)
-        b = self.start_retrying("B")
-        self.bursts(8000)
-        time.sleep(15)
-        self.bursts(8000)
-        self.signal(b, signal.SIGTERM)
+        self.replacement(settle_s=15)
 
     def killcoord(self) -> None:
         a = self.start("A")
@@ -172,21 +177,13 @@ class Matrix:
             time.sleep(10)
             self.burst(8000)
             self.signal(a, signal.SIGTERM)
-        b = self.start_retrying("B")
-        self.bursts(8000)
-        time.sleep(20)
-        self.bursts(8000)
-        self.signal(b, signal.SIGTERM)
+        self.replacement(settle_s=20)
 
     def midstart(self) -> None:
         a = self.start("A")
         time.sleep(12 if self.model else 2)
         self.signal(a, signal.SIGINT, wait=False)
-        b = self.start_retrying("B")
-        self.bursts(8000)
-        time.sleep(20)
-        self.bursts(8000)
-        self.signal(b, signal.SIGTERM)
+        self.replacement(settle_s=20)
 
     def side(self) -> None:
         a = self.start("A")

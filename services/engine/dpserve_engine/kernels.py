@@ -129,18 +129,8 @@ def _register_fakes() -> None:
     def _(q, k_cache, v_cache, block_table, positions, block_size, scale):
         return q.new_empty(q.shape)
 
-    @torch.library.register_fake("dpserve::q4_linear")
-    def _(x, qs, d, m):
+    def grouped_linear(x, qs, d, m=None):  # every grouped op: x [M, K] -> [M, N], N = the weight's rows
         return x.new_empty(x.shape[0], qs.shape[0])
 
-    @torch.library.register_fake("dpserve::q8_linear")
-    def _(x, qs, d):
-        return x.new_empty(x.shape[0], qs.shape[0])
-
-    @torch.library.register_fake("dpserve::q4q8_linear")
-    def _(x, qs, d, m):
-        return x.new_empty(x.shape[0], qs.shape[0])
-
-    @torch.library.register_fake("dpserve::q8q8_linear")
-    def _(x, qs, d):
-        return x.new_empty(x.shape[0], qs.shape[0])
+    for op in ("q4_linear", "q8_linear", "q4q8_linear", "q8q8_linear"):
+        torch.library.register_fake(f"dpserve::{op}")(grouped_linear)

@@ -360,7 +360,7 @@ class EngineService:
 
     def _tell_neighbours(self) -> None:
         """The ranks on this node learn at once when this one gets work or runs out of it (threads.py)."""
-        if self.threads.enabled and self.threads.neighbours:
+        if self.threads.enabled and self.threads.addresses:
             self.peers.tell(self.rank, self.core.has_unfinished())
 
     def _on_topology(self, topology: Topology, rank: int) -> None:

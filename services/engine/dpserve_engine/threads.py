@@ -43,8 +43,7 @@ class ThreadBudget:
         self.node_ip = node_ip  # this rank's node address, as the topology lists it
         self.cores = cores or node_cores()
         self.rank = -1
-        self.neighbours: frozenset[int] = frozenset()  # other ranks serving on this node
-        self.addresses: dict[int, str] = {}  # their engine sockets
+        self.addresses: dict[int, str] = {}  # the other ranks serving on this node -> their engine sockets
         self.current = -1  # unknown until the first change (the launcher's OMP_NUM_THREADS holds until then)
         self._busy: dict[int, bool] = {}  # neighbour -> has work, by its notices and the snapshots
         self._noticed_at: dict[int, float] = {}  # neighbour -> when its last notice came (monotonic)
@@ -53,23 +52,26 @@ class ThreadBudget:
         self.rank = rank
         serving = [e for e in topology.engines
                    if e.node_ip == self.node_ip and e.rank != rank and e.state in (EngineState.READY, EngineState.DRAINING)]  # fmt: skip
-        self.neighbours = frozenset(e.rank for e in serving)
         self.addresses = {e.rank: e.input_addr for e in serving}
-        for gone in set(self._busy) - self.neighbours:
+        for gone in set(self._busy) - set(self.addresses):
             self._busy.pop(gone, None)
             self._noticed_at.pop(gone, None)
+
+    @property
+    def neighbours(self) -> frozenset[int]:
+        return frozenset(self.addresses)
 
     def on_loads(self, loads: list[EngineLoad], now: float | None = None) -> None:
         """A LoadSnapshot: every neighbour's state, except where its own, newer notice holds."""
         now = time.monotonic() if now is None else now
         for load in loads:
-            if load.rank in self.neighbours and now - self._noticed_at.get(load.rank, -NOTICE_HOLD_S) >= NOTICE_HOLD_S:
+            if load.rank in self.addresses and now - self._noticed_at.get(load.rank, -NOTICE_HOLD_S) >= NOTICE_HOLD_S:
                 self._busy[load.rank] = bool(load.num_running or load.num_waiting)
         self._apply()
 
     def on_notice(self, notice: CoreUse, now: float | None = None) -> None:
         """A neighbour's CoreUse: it has work now, or none."""
-        if notice.rank not in self.neighbours:
+        if notice.rank not in self.addresses:
             return
         self._busy[notice.rank] = notice.busy
         self._noticed_at[notice.rank] = time.monotonic() if now is None else now
@@ -77,7 +79,7 @@ class ThreadBudget:
 
     def wanted(self) -> int:
         """The threads for this rank: the node's cores over itself and its neighbours with work."""
-        busy = sum(1 for rank in self.neighbours if self._busy.get(rank))
+        busy = sum(1 for rank in self.addresses if self._busy.get(rank))
         return max(1, self.cores // (1 + busy))
 
     def _apply(self) -> None:
@@ -89,7 +91,7 @@ class ThreadBudget:
 
             torch.set_num_threads(want)
             log.debug("rank %d: %d torch threads (%d cores, busy neighbours %s)", self.rank, want, self.cores,
-                      sorted(r for r in self.neighbours if self._busy.get(r)))  # fmt: skip
+                      sorted(r for r in self.addresses if self._busy.get(r)))  # fmt: skip
             self.current = want
 
 
