@@ -6,7 +6,7 @@ from dpserve_shared.block_hash import block_hashes
 from dpserve_shared.schema import EngineLoad
 
 from dpserve_frontend.prefix_index import PrefixIndex
-from dpserve_frontend.router import AdmissionLimits, QueuesFull, Router, RoutingPolicy
+from dpserve_frontend.router import BALANCE_ABS, BALANCE_REL, AdmissionLimits, QueuesFull, Router, RoutingPolicy
 from dpserve_frontend.routing_cost import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     KV_PRESSURE_S,
@@ -241,3 +241,41 @@ def test_a_popular_prefix_does_not_pile_up_on_its_holder():
 
     assert pick_with_holder_running(6) == 1  # mean 4.5, limit 6.5: the holder saves a 1 s prefill
     assert pick_with_holder_running(7) != 1  # mean 4.75, limit 6.75: skipped
+
+
+def test_a_burst_between_snapshots_spreads_under_the_load_guard():
+    """The guard counts the picks since the snapshot: a burst of 32 new prompts, rank 1 reporting 8 running and
+    rank 0 none, must not go whole to rank 0 (it did when only the engines' own reports counted: rank 1 stayed
+    over the limit until the next snapshot, then the 32 finished together and the next burst went whole to rank 1)."""
+    view = [EngineLoad(rank=0, prefill_tokens_per_s=400.0, decode_tokens_per_s=140.0),
+            EngineLoad(rank=1, num_running=8, prefill_tokens_per_s=400.0, decode_tokens_per_s=140.0)]  # fmt: skip
+    router = router_with(RoutingPolicy.CACHE_AWARE, view, ranks=(0, 1))
+    index = PrefixIndex()
+    picks = [router.pick(num_tokens=128, prompt=match_on(index, [1000 + i] * 128)) for i in range(32)]
+    on_0, on_1 = picks.count(0), 8 + picks.count(1)
+    mean = (on_0 + on_1) / 2
+    assert max(on_0, on_1) <= mean + max(BALANCE_ABS, BALANCE_REL * mean), picks  # within the guard's slack
+
+
+def test_requests_that_ended_before_the_next_snapshot_do_not_count_against_their_rank():
+    """One after the other, ten prefix hits within one snapshot interval all go to the holder: each ended (the API
+    server saw its last output) before the next was routed, so the load guard does not count it."""
+    prompt = list(range(512))
+    index = PrefixIndex()
+    index.blocks.store(1, block_hashes(prompt, BS))
+    router = router_with(RoutingPolicy.CACHE_AWARE, loads(rank_0=(0, 0), rank_1=(0, 0)), ranks=(0, 1))
+    picks = []
+    for i in range(10):
+        picks.append(router.pick(num_tokens=len(prompt) + 1, prompt=match_on(index, prompt + [i])))
+        router.finished(picks[-1], router.epoch, 1, 1)
+    assert picks == [1] * 10, picks
+    # without `finished` the guard counts them until the next snapshot and spills
+    spilled = router_with(RoutingPolicy.CACHE_AWARE, loads(rank_0=(0, 0), rank_1=(0, 0)), ranks=(0, 1))
+    assert 0 in [spilled.pick(num_tokens=len(prompt) + 1, prompt=match_on(index, prompt + [i])) for i in range(10)]
+    # one sent before the current snapshot is the snapshot's: `finished` leaves the counts alone
+    router.pick(num_tokens=len(prompt) + 1, prompt=match_on(index, prompt + [99]))
+    epoch = router.epoch
+    router.update_snapshot(loads(rank_0=(0, 0), rank_1=(0, 1)))
+    router.pick(num_tokens=len(prompt) + 1, prompt=match_on(index, prompt + [98]))
+    router.finished(1, epoch, 1, 1)
+    assert router._loads[1].num_sent == 1

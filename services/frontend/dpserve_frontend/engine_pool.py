@@ -75,6 +75,7 @@ class _InFlight:
     rank: int
     token_ids: list[int] = dataclasses.field(default_factory=list)  # every output token so far, on any rank
     migrations: int = 0
+    epoch: int = -1  # the router's snapshot epoch when it was (last) routed (Router.finished)
 
 
 def continuation(request: EngineRequest, token_ids: list[int]) -> EngineRequest:
@@ -294,7 +295,7 @@ class EnginePool:
             request.frontend_id = self.frontend_id
             request.wave = wave
             request.routed_tokens = len(request.prompt_token_ids) - (num_cached if seq_index == 0 else 0)
-            self._in_flight[request.request_id] = _InFlight(request, queue, seq_index, rank)
+            self._in_flight[request.request_id] = _InFlight(request, queue, seq_index, rank, epoch=self._router.epoch)
             self._send(rank, request)
         if wake_up is not None and self.on_start_wave is not None:
             # The engines looked paused between waves: the coordinator wakes the other ranks too.
@@ -341,6 +342,7 @@ class EnginePool:
             return False
         self._count_routed(rank, 1, num_tokens)
         entry.rank = rank
+        entry.epoch = -1  # the router counted its tokens whole; it is not taken back (Router.finished)
         entry.migrations += 1
         entry.request.routed_tokens = -1  # counted whole on the new rank
         self._send(rank, continuation(entry.request, entry.token_ids) if entry.token_ids else entry.request)
@@ -355,6 +357,7 @@ class EnginePool:
             entry = self._in_flight.pop(request_id, None)
             if entry is not None:
                 by_rank.setdefault(entry.rank, []).append(request_id)
+                self._router.finished(entry.rank, entry.epoch, 1, max(0, entry.request.routed_tokens))
         for rank, ids in by_rank.items():
             if rank in self._engines:
                 self._engines[rank].socket.send(encode(AbortRequests(ids)))
@@ -420,6 +423,7 @@ class EnginePool:
             entry.token_ids += output.new_token_ids
             if output.finish_reason is not None:
                 del in_flight[output.request_id]
+                self._router.finished(entry.rank, entry.epoch, 1, max(0, entry.request.routed_tokens))
             entry.queue.put_nowait((entry.seq_index, output))
 
     async def close(self) -> None:

@@ -61,7 +61,7 @@ MAX_SESSIONS = 65536
 TIE_TOLERANCE_S = 0.005  # cache-aware: estimates within this (or TIE_TOLERANCE_FRACTION of the best) are a tie
 TIE_TOLERANCE_FRACTION = 0.05
 BALANCE_ABS = 2  # cache-aware: a rank with more than mean + max(BALANCE_ABS, BALANCE_REL * mean) sequences
-BALANCE_REL = 0.25  # (running and waiting, as its engine last reported them) is skipped
+BALANCE_REL = 0.25  # (running, waiting and picked but not yet reported: _RankLoad.num_sequences) is skipped
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -140,10 +140,14 @@ class _RankLoad:
 
     @property
     def num_sequences(self) -> int:
-        """Its sequences as its engine last reported them (running and waiting): the picks not reported yet
-        (reserved, this API server's own sends) are left out, as many of a quick succession of short requests
-        have finished before the engine's next report."""
-        return self.num_running + self.num_waiting
+        """Its sequences: running and waiting as its engine last reported them, and the picks it has not reported
+        yet (every API server's reserved ones, this one's sends since the snapshot that are still open: `finished`
+        takes back one that ended before the next snapshot). Without the picks, a burst that came between two
+        snapshots went whole to the rank the last snapshot showed the lighter: with 32 closed-loop clients on 2
+        ranks, rank 1 reported 8 sequences and rank 0 none, the guard skipped rank 1 for all 31 picks until the
+        next snapshot, and since the 32 then finished together the next burst went whole to rank 1: one rank idle
+        while the other ran 32 (99 output tok/s against least-loaded's 169; docs/benchmarks.md, session 14)."""
+        return self.num_running + self.num_queued
 
     @property
     def num_queued_tokens(self) -> int:
@@ -171,6 +175,7 @@ class Router:
         # slow sample (taken while the machine was busy, say): no request, so no new sample, ever. A rank that
         # has measured nothing yet (new, or only prefix hits so far) is priced like the others too.
         self._fleet_rates = (0.0, 0.0)
+        self.epoch = 0  # snapshots taken: a send made in this epoch is in `num_sent`, not yet in the snapshot's counts
 
     @property
     def serving_ranks(self) -> list[int]:
@@ -207,6 +212,7 @@ class Router:
         for entry in self._loads.values():
             entry.num_sent = 0
             entry.num_sent_tokens = 0
+        self.epoch += 1
         self._fleet_rates = (_mean(e.prefill_tokens_per_s for e in self._loads.values()),
                              _mean(e.decode_tokens_per_s for e in self._loads.values()))  # fmt: skip
 
@@ -251,6 +257,17 @@ class Router:
         # the prefill it queues: with a prompt match (cache-aware), what the rank's cache does not hold
         load.num_sent_tokens += num_tokens - (prompt.num_cached_tokens(rank) if prompt is not None else 0)
         return rank
+
+    def finished(self, rank: int, epoch: int, num_seqs: int = 1, num_tokens: int = 0) -> None:
+        """`num_seqs` sequences sent to `rank` in snapshot epoch `epoch` (with `num_tokens` prompt tokens counted
+        to it) ended here. One sent since the current snapshot leaves this API server's sent counts, so a quick
+        succession of short requests does not pile up there until the next snapshot; an older one is the
+        snapshot's (or the next one's) business."""
+        load = self._loads.get(rank)
+        if load is None or epoch != self.epoch:
+            return
+        load.num_sent = max(0, load.num_sent - num_seqs)
+        load.num_sent_tokens = max(0, load.num_sent_tokens - num_tokens)
 
     def _lowest_cost(
         self, exclude: int | None = None, limits: AdmissionLimits | None = None, num_seqs: int = 1,
