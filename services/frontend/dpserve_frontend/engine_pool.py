@@ -36,7 +36,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dpserve_shared.block_hash import block_hashes
+from dpserve_shared.block_hash import block_hash, block_hashes
 from dpserve_shared.codec import encode, frontend_decoder
 from dpserve_shared.schema import (
     AbortRequests,
@@ -308,11 +308,14 @@ class EnginePool:
         if self._router.policy is not RoutingPolicy.CACHE_AWARE:
             return None
         block_size = self.block_size
+        # Where ties start: the first block's hash, or a short prompt's partial first block (the same in every API
+        # server; distinct prompts start at different ranks, so with no load to tell the ranks apart they spread)
+        first_block = token_ids[:block_size] if block_size > 0 else token_ids
         if block_size <= 0:
-            return PromptMatch(len(token_ids), tie_key=len(token_ids), num_output_tokens=max_tokens)
+            return PromptMatch(len(token_ids), tie_key=block_hash(None, first_block), num_output_tokens=max_tokens)
         hashes = block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
         if not hashes:
-            return PromptMatch(len(token_ids), tie_key=len(token_ids), num_output_tokens=max_tokens)
+            return PromptMatch(len(token_ids), tie_key=block_hash(None, first_block), num_output_tokens=max_tokens)
         return PromptMatch(len(token_ids), self.prefix_index.match(hashes), block_size, tie_key=hashes[0],
                            num_output_tokens=max_tokens)  # fmt: skip
 

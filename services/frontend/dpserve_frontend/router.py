@@ -20,8 +20,8 @@ snapshot) is what every API server routed to the rank that its engine had not re
 (coordinator reservations.py), so API servers routing a burst at once see each other's picks; `sent` counts the
 requests this frontend routed to the rank since that snapshot, so a burst that arrives between two snapshots
 (which come at most every 100 ms) is spread instead of all landing on the rank that looked idle. A request's
-`sent` weight is its number of sequences (`n` children and every prompt of a batch go to one rank). A new
-snapshot replaces the local counts. The lowest cost wins; ties go to the first rank at or after a start index
+`sent` weight is its number of sequences (`n` children and every prompt of a batch go to one rank); a sequence
+that ends before the next snapshot leaves it again (`Router.finished`). A new snapshot replaces the local counts. The lowest cost wins; ties go to the first rank at or after a start index
 that rotates after every pick, so equal ranks take turns instead of rank 0 taking every tie.
 
 Only ranks the topology lists as READY are candidates. A rank can be pinned (HTTP header
