@@ -267,7 +267,7 @@ def test_requests_that_ended_before_the_next_snapshot_do_not_count_against_their
     picks = []
     for i in range(10):
         picks.append(router.pick(num_tokens=len(prompt) + 1, prompt=match_on(index, prompt + [i])))
-        router.finished(picks[-1], router.epoch, 1, 1)
+        router.finished(picks[-1], router.epoch, 1)
     assert picks == [1] * 10, picks
     # without `finished` the guard counts them until the next snapshot and spills
     spilled = router_with(RoutingPolicy.CACHE_AWARE, loads(rank_0=(0, 0), rank_1=(0, 0)), ranks=(0, 1))
@@ -277,5 +277,5 @@ def test_requests_that_ended_before_the_next_snapshot_do_not_count_against_their
     epoch = router.epoch
     router.update_snapshot(loads(rank_0=(0, 0), rank_1=(0, 1)))
     router.pick(num_tokens=len(prompt) + 1, prompt=match_on(index, prompt + [98]))
-    router.finished(1, epoch, 1, 1)
+    router.finished(1, epoch, 1)
     assert router._loads[1].num_sent == 1

@@ -308,13 +308,12 @@ class EnginePool:
         if self._router.policy is not RoutingPolicy.CACHE_AWARE:
             return None
         block_size = self.block_size
-        # Where ties start: the first block's hash, or a short prompt's partial first block (the same in every API
-        # server; distinct prompts start at different ranks, so with no load to tell the ranks apart they spread)
-        first_block = token_ids[:block_size] if block_size > 0 else token_ids
-        if block_size <= 0:
-            return PromptMatch(len(token_ids), tie_key=block_hash(None, first_block), num_output_tokens=max_tokens)
-        hashes = block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
+        max_blocks = (len(token_ids) - 1) // block_size if block_size > 0 else 0
+        hashes = block_hashes(token_ids, block_size, max_blocks=max_blocks) if max_blocks > 0 else []
         if not hashes:
+            # Ties start at the hash of its partial first block (the same in every API server): distinct prompts
+            # start at different ranks, so with no load to tell the ranks apart they spread
+            first_block = token_ids[:block_size] if block_size > 0 else token_ids
             return PromptMatch(len(token_ids), tie_key=block_hash(None, first_block), num_output_tokens=max_tokens)
         return PromptMatch(len(token_ids), self.prefix_index.match(hashes), block_size, tie_key=hashes[0],
                            num_output_tokens=max_tokens)  # fmt: skip
@@ -360,7 +359,7 @@ class EnginePool:
             entry = self._in_flight.pop(request_id, None)
             if entry is not None:
                 by_rank.setdefault(entry.rank, []).append(request_id)
-                self._router.finished(entry.rank, entry.epoch, 1, max(0, entry.request.routed_tokens))
+                self._router.finished(entry.rank, entry.epoch, entry.request.routed_tokens)
         for rank, ids in by_rank.items():
             if rank in self._engines:
                 self._engines[rank].socket.send(encode(AbortRequests(ids)))
@@ -426,7 +425,7 @@ class EnginePool:
             entry.token_ids += output.new_token_ids
             if output.finish_reason is not None:
                 del in_flight[output.request_id]
-                self._router.finished(entry.rank, entry.epoch, 1, max(0, entry.request.routed_tokens))
+                self._router.finished(entry.rank, entry.epoch, entry.request.routed_tokens)
             entry.queue.put_nowait((entry.seq_index, output))
 
     async def close(self) -> None:

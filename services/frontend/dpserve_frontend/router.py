@@ -21,8 +21,9 @@ snapshot) is what every API server routed to the rank that its engine had not re
 requests this frontend routed to the rank since that snapshot, so a burst that arrives between two snapshots
 (which come at most every 100 ms) is spread instead of all landing on the rank that looked idle. A request's
 `sent` weight is its number of sequences (`n` children and every prompt of a batch go to one rank); a sequence
-that ends before the next snapshot leaves it again (`Router.finished`). A new snapshot replaces the local counts. The lowest cost wins; ties go to the first rank at or after a start index
-that rotates after every pick, so equal ranks take turns instead of rank 0 taking every tie.
+that ends before the next snapshot leaves it again (`Router.finished`). A new snapshot replaces the local counts.
+The lowest cost wins; ties go to the first rank at or after a start index that rotates after every pick, so equal
+ranks take turns instead of rank 0 taking every tie.
 
 Only ranks the topology lists as READY are candidates. A rank can be pinned (HTTP header
 `X-data-parallel-rank`); pinning a rank that is not serving is the caller's error.
@@ -258,16 +259,16 @@ class Router:
         load.num_sent_tokens += num_tokens - (prompt.num_cached_tokens(rank) if prompt is not None else 0)
         return rank
 
-    def finished(self, rank: int, epoch: int, num_seqs: int = 1, num_tokens: int = 0) -> None:
-        """`num_seqs` sequences sent to `rank` in snapshot epoch `epoch` (with `num_tokens` prompt tokens counted
-        to it) ended here. One sent since the current snapshot leaves this API server's sent counts, so a quick
+    def finished(self, rank: int, epoch: int, num_tokens: int = 0) -> None:
+        """A sequence sent to `rank` in snapshot epoch `epoch` (with `num_tokens` prompt tokens counted to it)
+        ended here. One sent since the current snapshot leaves this API server's sent counts, so a quick
         succession of short requests does not pile up there until the next snapshot; an older one is the
         snapshot's (or the next one's) business."""
         load = self._loads.get(rank)
         if load is None or epoch != self.epoch:
             return
-        load.num_sent = max(0, load.num_sent - num_seqs)
-        load.num_sent_tokens = max(0, load.num_sent_tokens - num_tokens)
+        load.num_sent = max(0, load.num_sent - 1)
+        load.num_sent_tokens = max(0, load.num_sent_tokens - max(0, num_tokens))
 
     def _lowest_cost(
         self, exclude: int | None = None, limits: AdmissionLimits | None = None, num_seqs: int = 1,
