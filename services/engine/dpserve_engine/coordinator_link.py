@@ -87,8 +87,10 @@ class CoordinatorLink:
         self._last_register_s = 0.0
         self._last_stats_key: tuple | None = None
         self._last_stats_s = 0.0
+        self._last_num_received = 0
         self._last_counters: EngineLoad | None = None
         self.next_counters_s = 0.0  # monotonic: when report() next sends the counters
+        self.next_stats_s: float | None = None  # monotonic: when a change held back by the interval is due
         self._kv_seq = 0  # KvEvents sent by this process
         self._heartbeats_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -146,6 +148,7 @@ class CoordinatorLink:
         self._last_stats_key = None
         self._last_counters = None
         self.next_counters_s = 0.0
+        self.next_stats_s = None
 
     def watch(self, now: float) -> str | None:
         """Register again when the broadcast has been silent for COORDINATOR_SILENCE_S (a restarted coordinator).
@@ -205,11 +208,22 @@ class CoordinatorLink:
         """One message to the coordinator on the control socket, in this deployment's envelope."""
         self.control.send_multipart(frames(self.guard.deployment_id, msg), flags)
 
+    @property
+    def next_report_s(self) -> float:
+        """When `report` next has something to send without a new change (monotonic)."""
+        return self.next_counters_s if self.next_stats_s is None else min(self.next_counters_s, self.next_stats_s)
+
     def report(self, load: EngineLoad, now: float, num_received: int = 0,
                received: Callable[[], list[FrontendCount]] | None = None) -> None:  # fmt: skip
-        """EngineStats when the routing-relevant load or the requests received changed (at most every
-        STATS_MIN_INTERVAL_S), and when anything changed, counters included, every COUNTERS_INTERVAL_S.
-        `received()`: the requests received per frontend (EngineStats.received), `num_received` their total."""
+        """EngineStats when requests arrived (at once: the coordinator's reservations of them end with it), when
+        the routing-relevant load changed (at most every STATS_MIN_INTERVAL_S; a change held back is due at
+        `next_stats_s`, which the service's idle wait honours), and when anything changed, counters included,
+        every COUNTERS_INTERVAL_S. `received()`: the requests received per frontend (EngineStats.received),
+        `num_received` their total.
+
+        Receipts go at once because every API server counts a rank's reserved requests (routed to it, not yet
+        reported received) as its load: a receipt held back 50-150 ms left requests that had already finished
+        reserved, and a quick succession of short prefix hits was steered off the rank holding the prefix."""
         self._maybe_send_stats(load, now, num_received, received)
         if now >= self.next_counters_s:
             self._maybe_send_stats(load, now, num_received, received, force_counters=True)
@@ -222,11 +236,20 @@ class CoordinatorLink:
         changed = key != self._last_stats_key
         if force_counters and not changed:
             changed = self._last_counters is None or load != self._last_counters
-        if changed and (force_counters or now - self._last_stats_s >= STATS_MIN_INTERVAL_S):
-            self.send(EngineStats(load, received() if received is not None else []))
-            self._last_stats_key = key
-            self._last_stats_s = now
-            self._last_counters = load
+        if not changed:
+            self.next_stats_s = None  # (a held-back change that went back to what was sent)
+            return
+        is_due = force_counters or num_received != self._last_num_received
+        due_s = self._last_stats_s + STATS_MIN_INTERVAL_S
+        if not is_due and now < due_s:
+            self.next_stats_s = due_s
+            return
+        self.send(EngineStats(load, received() if received is not None else []))
+        self._last_stats_key = key
+        self._last_stats_s = now
+        self._last_num_received = num_received
+        self._last_counters = load
+        self.next_stats_s = None
 
     def send_kv_events(self, stored: list[int], removed: list[int], is_snapshot: bool = False) -> None:
         """The prefix cache's changes (or, `is_snapshot`, every hash it holds), numbered for gap detection."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -232,7 +233,7 @@ class EngineService:
         self.lifecycle.end_drain_if_done(self.core.has_unfinished())
         while self.lifecycle.state is not ProcessState.STOPPED:
             has_work = self._has_work()
-            until_timer_ms = int((self.coordinator.next_counters_s - time.monotonic()) * 1000)
+            until_timer_ms = math.ceil((self.coordinator.next_report_s - time.monotonic()) * 1000)
             is_busy = has_work and (self.lockstep is None or self.lockstep.membership.can_step)
             timeout_ms = 0 if is_busy else max(0, min(IDLE_POLL_MS, until_timer_ms))
             for sock, _ in poller.poll(timeout_ms):

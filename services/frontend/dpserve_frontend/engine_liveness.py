@@ -55,8 +55,18 @@ async def watch_connection(
                                "coordinator is away")  # fmt: skip
                 return
     finally:
-        try:
-            socket.disable_monitor()
-        except zmq.ZMQError:
-            pass  # the socket is closed already
+        stop_watching(socket)
         monitor.close(linger=0)
+
+
+def stop_watching(socket: zmq.Socket) -> None:
+    """End the socket's monitor. Call it before closing the socket: a monitor still on when the socket closes
+    sends its DISCONNECTED event from the context's I/O thread to a monitor socket nobody reads any more, and that
+    send blocks the I/O thread for good (libzmq issue 3575): every socket of the context, so every engine
+    connection of this API server, stops moving. Seen in the tests as a request that never reached its engine."""
+    if socket.closed:
+        return
+    try:
+        socket.disable_monitor()
+    except zmq.ZMQError:
+        pass  # never monitored, or its monitor ended already

@@ -55,7 +55,7 @@ from dpserve_shared.schema import (
 from dpserve_shared.waves import FrontendWaves
 from dpserve_shared.zmq_security import ZmqSecurity
 
-from dpserve_frontend.engine_liveness import enable_heartbeats, watch_connection
+from dpserve_frontend.engine_liveness import enable_heartbeats, stop_watching, watch_connection
 from dpserve_frontend.prefix_index import PrefixIndex
 from dpserve_frontend.router import AdmissionLimits, NoEngineAvailable, Router, RoutingPolicy
 from dpserve_frontend.routing_cost import PromptMatch
@@ -226,11 +226,8 @@ class EnginePool:
 
     def _drop(self, rank: int, reason: str) -> None:
         conn = self._engines.pop(rank)
-        for task in (conn.recv_task, conn.watch_task):
-            if task is not None:
-                task.cancel()
         self._take_queued(conn, frontend_decoder().decode)  # a drained rank's last outputs still arrive
-        conn.socket.close(linger=0)
+        _disconnect(conn, linger_ms=0)
         self._router.set_serving(self._ready_ranks())
         orphans = [(rid, entry) for rid, entry in self._in_flight.items() if entry.rank == rank]
         num_resent = 0
@@ -432,9 +429,15 @@ class EnginePool:
         """Abort what is still in flight and disconnect (lingering briefly so the aborts leave)."""
         self.abort(list(self._in_flight))
         for rank in list(self._engines):
-            conn = self._engines.pop(rank)
-            for task in (conn.recv_task, conn.watch_task):
-                if task is not None:
-                    task.cancel()
-            conn.socket.close(linger=500)
+            _disconnect(self._engines.pop(rank), linger_ms=500)
         self._router.set_serving([])
+
+
+def _disconnect(conn: _EngineConn, linger_ms: int) -> None:
+    """Stop the rank's tasks, its socket's monitor (before the socket closes: engine_liveness.stop_watching), and
+    close the socket."""
+    for task in (conn.recv_task, conn.watch_task):
+        if task is not None:
+            task.cancel()
+    stop_watching(conn.socket)
+    conn.socket.close(linger=linger_ms)
