@@ -40,7 +40,7 @@ async def _probe(pool: EnginePool, rank: int, router: zmq.Socket, cycle: int) ->
             assert router.recv_multipart()[-1] == b"probe"
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"a message to rank {rank} never reached its engine in cycle {cycle}: the ZMQ context is stuck")
+    raise AssertionError(f"cycle {cycle}: a message to rank {rank} never reached its engine (the context is stuck)")
 
 
 async def _scenario() -> None:
