@@ -87,7 +87,6 @@ class CoordinatorLink:
         self._last_register_s = 0.0
         self._last_stats_key: tuple | None = None
         self._last_stats_s = 0.0
-        self._last_num_received = 0
         self._last_counters: EngineLoad | None = None
         self.next_counters_s = 0.0  # monotonic: when report() next sends the counters
         self.next_stats_s: float | None = None  # monotonic: when a change held back by the interval is due
@@ -239,7 +238,8 @@ class CoordinatorLink:
         if not changed:
             self.next_stats_s = None  # (a held-back change that went back to what was sent)
             return
-        is_due = force_counters or num_received != self._last_num_received
+        is_receipt = self._last_stats_key is None or num_received != self._last_stats_key[-1]  # requests arrived
+        is_due = force_counters or is_receipt
         due_s = self._last_stats_s + STATS_MIN_INTERVAL_S
         if not is_due and now < due_s:
             self.next_stats_s = due_s
@@ -247,7 +247,6 @@ class CoordinatorLink:
         self.send(EngineStats(load, received() if received is not None else []))
         self._last_stats_key = key
         self._last_stats_s = now
-        self._last_num_received = num_received
         self._last_counters = load
         self.next_stats_s = None
 
