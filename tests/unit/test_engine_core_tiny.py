@@ -454,3 +454,18 @@ def test_compiled_decode_step_runs_the_int8_activation_kernels(tmp_path):
     assert tokens(run(compiled_core, requests)) == tokens(run(engine(model), requests))
     assert compiled.num_calls > 0 and compiled.num_fallbacks == 0
     assert all(graph.direct is not None and graph.direct.num_calls > 0 for graph in compiled.graphs)
+
+
+def test_the_kv_cache_is_zero_page_aligned_and_its_buffers_do_not_overlap():
+    from dpserve_engine.model_runner import zeroed_buffers
+
+    buffers = zeroed_buffers(4, (2, 37, 8), torch.bfloat16, torch.device("cpu"))  # 1184 bytes each: one page apart
+    assert [tuple(b.shape) for b in buffers] == [(2, 37, 8)] * 4
+    assert all(b.dtype == torch.bfloat16 and b.is_contiguous() and b.data_ptr() % 4096 == 0 for b in buffers)
+    assert all(not b.any() for b in buffers)
+    buffers[1].fill_(1.5)
+    assert not buffers[0].any() and not buffers[2].any() and bool((buffers[1] == 1.5).all())
+    kept = buffers[3]
+    del buffers  # a view keeps the mapping
+    kept.add_(2)
+    assert bool((kept == 2).all())
