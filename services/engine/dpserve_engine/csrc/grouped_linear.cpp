@@ -151,6 +151,7 @@ void block(const float* x, int64_t K, const Q* qs, int64_t row_bytes, const floa
            const float* sx, int64_t G, int64_t n0, int64_t n1, float* out, int64_t N) {
   float dot[MB];
   for (int64_t n = n0; n < n1; ++n) {
+    dpserve_grouped::prefetch_ahead(n, n1, qs, row_bytes, d, m, G);
     if constexpr (sizeof(Q) == 1 && std::is_same_v<Q, uint8_t>) {
       q4_dots<MB>(x, K, qs + n * row_bytes, d + n * G, G, dot);
       for (int i = 0; i < MB; ++i) out[i * N + n] = dot[i] + min_term(m + n * G, sx + i * G, G);

@@ -204,6 +204,7 @@ void block(const int8_t* xq, const float* dx, const float* sx, int64_t K, int64_
            const float* d, const float* m, int64_t n0, int64_t n1, float* out, int64_t N) {
   float dot[MB];
   for (int64_t n = n0; n < n1; ++n) {
+    dpserve_grouped::prefetch_ahead(n, n1, qs, row_bytes, d, m, G);
     dots<MB, Q, kSimd>(xq, dx, K, G, qs + n * row_bytes, d + n * G, dot);
     if constexpr (std::is_same_v<Q, uint8_t>) {
       for (int i = 0; i < MB; ++i) out[i * N + n] = dot[i] + min_term(m + n * G, sx + i * G, G);
