@@ -457,11 +457,13 @@ def test_compiled_decode_step_runs_the_int8_activation_kernels(tmp_path):
 
 
 def test_the_kv_cache_is_zero_page_aligned_and_its_buffers_do_not_overlap():
+    import mmap
+
     from dpserve_engine.model_runner import zeroed_buffers
 
-    buffers = zeroed_buffers(4, (2, 37, 8), torch.bfloat16, torch.device("cpu"))  # 1184 bytes each: one page apart
+    buffers = zeroed_buffers(4, (2, 37, 8), torch.bfloat16, torch.device("cpu"))  # 1184 bytes each: a page apart
     assert [tuple(b.shape) for b in buffers] == [(2, 37, 8)] * 4
-    assert all(b.dtype == torch.bfloat16 and b.is_contiguous() and b.data_ptr() % 4096 == 0 for b in buffers)
+    assert all(b.dtype == torch.bfloat16 and b.is_contiguous() and b.data_ptr() % mmap.PAGESIZE == 0 for b in buffers)
     assert all(not b.any() for b in buffers)
     buffers[1].fill_(1.5)
     assert not buffers[0].any() and not buffers[2].any() and bool((buffers[1] == 1.5).all())
