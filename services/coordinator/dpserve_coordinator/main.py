@@ -28,7 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop(CLUSTER_KEY_ENV, None)
     from dpserve_coordinator.server import Coordinator  # zmq and the launchers: not needed for --help
 
-    return asyncio.run(Coordinator(settings).run())
+    code = asyncio.run(Coordinator(settings).run())
+    ray_backend = sys.modules.get("dpserve_coordinator.ray_backend")
+    if ray_backend is not None and ray_backend.cluster_lost():
+        # Ray's exit hook (ray.shutdown) would flush task events and metrics to the dead cluster for ~25 s.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -173,11 +174,20 @@ def _ensure_local_token() -> None:
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
+_cluster_lost = False  # set when the cluster's GCS stopped answering (RayLauncher._ray_is_gone)
+
+
+def cluster_lost() -> bool:
+    """Whether this process found its Ray cluster gone: Ray's own exit hooks would then wait on it (main.py)."""
+    return _cluster_lost
+
+
 class RayLauncher(EngineLauncher):
     def __init__(self, settings: CoordinatorSettings):
         self._settings = settings
         self._started_ray = False
         self._temp_dir: str | None = None
+        self._gcs_address = ""  # host:port of the cluster's GCS, once connected
         self._groups: dict[int, object] = {}
         self._actors: dict[int, object] = {}
         self._placements = {}
@@ -219,6 +229,7 @@ class RayLauncher(EngineLauncher):
                 log_to_driver=True,
             )
             self._started_ray = True
+        self._gcs_address = ray.get_runtime_context().gcs_address
         log.info(
             "Ray %s in %.1f s (%s)",
             "connected" if self._settings.ray_address else "started",
@@ -401,6 +412,8 @@ class RayLauncher(EngineLauncher):
         if self._closed:
             return
         self._closed = True
+        if self._actors and self._ray_is_gone():
+            self._actors.clear()  # they went with it: no stop to wait for
         if self._actors:
             refs = [a.stop.remote(timeout_s) for a in self._actors.values()]
             try:
@@ -412,7 +425,28 @@ class RayLauncher(EngineLauncher):
                 log.warning("engine hosts did not stop within %.0f s; killing them", timeout_s + 2)
         self._release()
 
+    def _ray_is_gone(self) -> bool:
+        """Whether the cluster's GCS no longer takes connections (e.g. the local instance was killed): Ray's calls
+        would then retry until its reconnect timeout (60 s) before failing, and the actors and placement groups
+        they would release are gone with it."""
+        host, _, port = self._gcs_address.rpartition(":")
+        if not host:
+            return False
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return False
+        except (OSError, ValueError):
+            global _cluster_lost
+            if not _cluster_lost:
+                log.warning("Ray's GCS at %s does not answer: its actors and placement groups went with it; "
+                            "nothing to release", self._gcs_address)  # fmt: skip
+            _cluster_lost = True
+            return True
+
     def _release(self) -> None:
+        if ray.is_initialized() and self._ray_is_gone():
+            self._actors.clear()  # they went with it
+            self._groups.clear()
         for actor in self._actors.values():
             try:
                 ray.kill(actor)
@@ -425,14 +459,16 @@ class RayLauncher(EngineLauncher):
             except Exception:  # noqa: BLE001
                 pass
         self._groups.clear()
-        if self._started_ray:
+        # Not with the cluster gone: ray.shutdown would wait ~25 s on its dead GCS and metrics agent (main.py
+        # then exits without Ray's exit hook).
+        if ray.is_initialized() and not _cluster_lost:
             ray.shutdown()
+        if self._started_ray:
             self._started_ray = False
             if self._temp_dir and not self._settings.ray_temp_dir:
                 shutil.rmtree(self._temp_dir, ignore_errors=True)
-        elif ray.is_initialized():
-            ray.shutdown()
-        log.info("Ray actors and placement groups released")
+        if not _cluster_lost:
+            log.info("Ray actors and placement groups released")
 
     async def kill(self, rank: int) -> None:
         actor = self._actors.get(rank)
