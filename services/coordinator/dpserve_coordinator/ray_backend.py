@@ -412,7 +412,8 @@ class RayLauncher(EngineLauncher):
         if self._closed:
             return
         self._closed = True
-        if self._actors and self._ray_is_gone():
+        gone = ray.is_initialized() and self._ray_is_gone()
+        if gone:
             self._actors.clear()  # they went with it: no stop to wait for
         if self._actors:
             refs = [a.stop.remote(timeout_s) for a in self._actors.values()]
@@ -423,7 +424,7 @@ class RayLauncher(EngineLauncher):
                 )
             except asyncio.TimeoutError:
                 log.warning("engine hosts did not stop within %.0f s; killing them", timeout_s + 2)
-        self._release()
+        self._release(gone)
 
     def _ray_is_gone(self) -> bool:
         """Whether the cluster's GCS no longer takes connections (e.g. the local instance was killed): Ray's calls
@@ -437,15 +438,15 @@ class RayLauncher(EngineLauncher):
                 return False
         except (OSError, ValueError):
             global _cluster_lost
-            if not _cluster_lost:
-                log.warning("Ray's GCS at %s does not answer: its actors and placement groups went with it; "
-                            "nothing to release", self._gcs_address)  # fmt: skip
             _cluster_lost = True
+            log.warning("Ray's GCS at %s does not answer: its actors and placement groups went with it; "
+                        "nothing to release", self._gcs_address)  # fmt: skip
             return True
 
-    def _release(self) -> None:
-        if ray.is_initialized() and self._ray_is_gone():
-            self._actors.clear()  # they went with it
+    def _release(self, gone: bool) -> None:
+        """Kill the actors, remove the groups, shut Ray down; with the cluster `gone`, forget them instead."""
+        if gone:
+            self._actors.clear()
             self._groups.clear()
         for actor in self._actors.values():
             try:
@@ -461,13 +462,13 @@ class RayLauncher(EngineLauncher):
         self._groups.clear()
         # Not with the cluster gone: ray.shutdown would wait ~25 s on its dead GCS and metrics agent (main.py
         # then exits without Ray's exit hook).
-        if ray.is_initialized() and not _cluster_lost:
+        if ray.is_initialized() and not gone:
             ray.shutdown()
         if self._started_ray:
             self._started_ray = False
             if self._temp_dir and not self._settings.ray_temp_dir:
                 shutil.rmtree(self._temp_dir, ignore_errors=True)
-        if not _cluster_lost:
+        if not gone:
             log.info("Ray actors and placement groups released")
 
     async def kill(self, rank: int) -> None:
@@ -484,6 +485,6 @@ class RayLauncher(EngineLauncher):
     def kill_now(self) -> None:
         self._closed = True
         try:
-            self._release()
+            self._release(ray.is_initialized() and self._ray_is_gone())
         except Exception as e:  # noqa: BLE001
             log.error("Ray teardown failed: %s", e)
