@@ -52,13 +52,35 @@ def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute():
     a = make_seq(range(12), "a")
     bm.allocate(a, 12)
     compute_all(bm, a)
-    b = make_seq(range(12), "b")  # identical prompt: 3 full blocks, but the last token must be recomputed
+    b = make_seq(list(range(10)) + [70], "b")  # 2 full blocks shared; 3 tokens left to compute in a new block
     assert bm.num_cached_tokens(b) == 8
-    bm.allocate(b, 4)
-    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
-    assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
+    bm.allocate(b, 3)
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] not in a.block_table
+    assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8 and b.num_reused_tokens == 8
     assert bm.ref_counts[a.block_table[0]] == 2
-    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (24, 8)
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (23, 8)
+
+
+def test_fully_cached_prompt_shares_every_block_and_recomputes_only_its_last_token():
+    bm = BlockManager(16, 4)
+    a = make_seq(range(12), "a")
+    bm.allocate(a, 12)
+    compute_all(bm, a)
+    free_before = bm.num_free_blocks
+    b = make_seq(range(12), "b")  # identical prompt that fills its last block: every block is a hit
+    assert bm.num_cached_tokens(b) == 11
+    assert bm.can_allocate(b, 1)
+    bm.allocate(b, 1)
+    assert b.block_table == a.block_table and bm.num_free_blocks == free_before  # no block of its own yet
+    # the last token is computed again (for its logits) but its K/V, in a's block, is not written again
+    assert b.num_computed_tokens == 11 and b.num_uncomputed_tokens == 1 and b.num_reused_tokens == 12
+    assert all(bm.ref_counts[x] == 2 for x in a.block_table)
+    b.num_computed_tokens = 12
+    b.token_ids.append(5)
+    bm.may_append(b, 1)  # its first generated token goes to a block of its own
+    assert len(b.block_table) == 4 and b.block_table[3] not in a.block_table
+    bm.free(b)
+    assert b.num_reused_tokens == 0 and all(bm.ref_counts[x] == 1 for x in a.block_table)
 
 
 def test_freed_cached_blocks_are_hit_then_evicted_lru():

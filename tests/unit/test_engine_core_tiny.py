@@ -90,6 +90,33 @@ def test_prefix_hits_after_a_repeated_prompt(model):
     assert load.prefix_queries == 46 and load.prefix_hits == 20
 
 
+def test_a_fully_cached_prompt_recomputes_only_its_last_token(model):
+    """A prompt that fills its last block, sent again: every block is shared and only the last token runs (as a
+    decode row whose K/V is not written: the shared block holds it); same tokens as the first time, and the
+    shared blocks' K/V is not touched. Four at once: the first computes the prompt, the others wait a step and
+    share it all."""
+    core = engine(model)
+    ids = prompt(6, 24)  # 6 blocks of 4
+    first = run(core, [("a", ids, greedy())])["a"]
+    blocks = core.scheduler.block_manager.cached_free.copy()
+    k_before = [k.clone() for k, _ in core.runner.kv_caches]
+    batches = []
+    original = core.runner.run
+    core.runner.run = lambda batch: (batches.append(list(batch.num_tokens)), original(batch))[1]
+    second = run(core, [("b", ids, greedy())])["b"]
+    assert batches[0] == [1]  # one token computed, not a block
+    assert first[0].num_cached_tokens == 0 and second[0].num_cached_tokens == 23
+    assert tokens({"a": first})["a"] == tokens({"b": second})["b"]
+    bs = core.runner.block_size
+    for (k, _), before in zip(core.runner.kv_caches, k_before):
+        for block in blocks:
+            assert torch.equal(k[:, block * bs : (block + 1) * bs], before[:, block * bs : (block + 1) * bs])
+    together = tokens(run(core, [(f"c{i}", ids, greedy()) for i in range(4)]))
+    assert all(t == tokens({"a": first})["a"] for t in together.values())
+    load = core.load()
+    assert load.kv_blocks_used == 0 and load.prefix_hits == 23 * 5
+
+
 def test_preemption_and_resume_give_the_unpreempted_output(model):
     requests = [(f"p{i}", prompt(i, 10), greedy(20)) for i in range(4)]
     roomy = tokens(run(engine(model), requests))
@@ -252,6 +279,11 @@ def test_compiled_decode_step_gives_the_eager_tokens(model, tmp_path):
     finally:
         for graph, direct in zip(compiled.graphs, directs):
             graph.direct = direct
+    aligned = prompt(7, 16)  # fills its last block: sent again, its last token is a compiled decode row
+    eager = solo(model, "x", aligned, greedy())
+    assert tokens(run(compiled_core, [("x", aligned, greedy())]))["x"] == eager
+    again = run(compiled_core, [("y", aligned, greedy())])["y"]
+    assert again[0].num_cached_tokens == 15 and tokens({"y": again})["y"] == eager
     assert compiled.num_calls > 0 and compiled.num_fallbacks == 0
 
 

@@ -59,21 +59,27 @@ class BlockManager:
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding seq's leading full blocks. At least one token is always left to compute (its
-        logits give the first output token), so a fully cached prompt still recomputes its last block."""
+        """Cached blocks holding seq's leading full blocks, up to all of them. At least one token is always left to
+        compute (its logits give the first output token): when every token is cached (a prompt that fills its
+        last block, sent before), the last one is computed again as a decode row whose K/V is not written
+        (`Sequence.num_reused_tokens`), not its whole block."""
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
-        self._update_hashes(seq, len(seq) - 1)
+        self._update_hashes(seq, len(seq))
         hits = []
-        for h in seq.block_hashes[: (len(seq) - 1) // self.block_size]:
+        for h in seq.block_hashes[: len(seq) // self.block_size]:
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
+    def _computed(self, seq: Sequence, hits: list[int]) -> int:
+        """Tokens a seq admitted with these hits starts with computed: all but the last one at most."""
+        return min(len(hits) * self.block_size, len(seq) - 1)
+
     def num_cached_tokens(self, seq: Sequence) -> int:
-        return len(self._prefix_hits(seq)) * self.block_size
+        return self._computed(seq, self._prefix_hits(seq))
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Name the blocks that became full with computed K/V so later requests can share them."""
@@ -116,7 +122,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Can a waiting seq be admitted with its first num_new_tokens uncached tokens?"""
         hits = self._prefix_hits(seq)
-        num_needed = self.num_blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        num_needed = self.num_blocks_for(self._computed(seq, hits) + num_new_tokens) - len(hits)
         num_hits_in_lru = sum(1 for b in hits if b in self.cached_free)
         return num_needed <= self.num_free_blocks - num_hits_in_lru
 
@@ -129,7 +135,8 @@ class BlockManager:
                 del self.cached_free[block_id]
             self.ref_counts[block_id] += 1
         seq.block_table = list(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = self._computed(seq, hits)
+        seq.num_reused_tokens = len(hits) * self.block_size
         if not seq.was_admitted:  # a preempted seq coming back is not a new prefix query
             seq.was_admitted = True
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -159,3 +166,4 @@ class BlockManager:
                     self.free_block_ids.append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_reused_tokens = 0

@@ -186,11 +186,15 @@ class ModelRunner:
         return tokens, positions, slots, block_index, decode_bias.view(1, len(decodes), 1, -1)
 
     def _decode_lists(self, decodes: list[Sequence], min_blocks: int = 1):
-        """Per decode: its token, position, cache slot and block table (padded with block 0 to the longest)."""
+        """Per decode: its token, position, cache slot and block table (padded with block 0 to the longest). The
+        last token of a fully cached prompt writes its K/V to the scratch block: the shared block it lies in holds
+        it (other sequences read that block), and attention reads it there."""
         bs = self.block_size
         tokens = [s.token_ids[s.num_computed_tokens] for s in decodes]
         positions = [s.num_computed_tokens for s in decodes]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
+        scratch = self.scratch_block * bs  # a position whose K/V a shared block holds already is not rewritten
+        slots = [s.block_table[p // bs] * bs + p % bs if p >= s.num_reused_tokens else scratch
+                 for s, p in zip(decodes, positions)]  # fmt: skip
         width = max([min_blocks] + [len(s.block_table) for s in decodes])
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
         return tokens, positions, slots, tables

@@ -102,7 +102,7 @@ class Scheduler:
     def _waits_for_prefix(self, seq: Sequence, num_cached: int, pending: set[int]) -> bool:
         """The next block of seq's prompt is being computed by a running sequence: seq is admitted once it is in
         the prefix cache (a step or a chunk later) instead of computing the same tokens beside it."""
-        k = num_cached // self.block_manager.block_size
+        k = -(-num_cached // self.block_manager.block_size)  # a fully cached prompt's last block is a hit
         return not seq.wants_prompt_logprobs and k < len(seq.block_hashes) and seq.block_hashes[k] in pending
 
     def _admit(self, budget: int) -> list[tuple[Sequence, int]]:

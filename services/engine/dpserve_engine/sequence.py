@@ -33,6 +33,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        # Leading tokens whose K/V lie in shared prefix-cache blocks (the block manager's hits). Usually equal to
+        # num_computed_tokens at admission; one more when every token was cached: the last one is computed again
+        # for its logits, and its K/V, already in a shared block, is not written again.
+        self.num_reused_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, in order
         self.is_first_output = True

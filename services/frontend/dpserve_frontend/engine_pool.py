@@ -300,12 +300,13 @@ class EnginePool:
         return rank
 
     def _match_prompt(self, token_ids: list[int], max_tokens: int = 0) -> PromptMatch | None:
-        """Cache-aware routing: the prompt hashed once (its full blocks but the last token's) and matched against
-        every rank's prefix cache at once. None for the other policies."""
+        """Cache-aware routing: the prompt hashed once (its full blocks) and matched against every rank's prefix
+        cache at once (a rank holding them all still computes the last token: `PromptMatch.num_cached_tokens`).
+        None for the other policies."""
         if self._router.policy is not RoutingPolicy.CACHE_AWARE:
             return None
         block_size = self.block_size
-        max_blocks = (len(token_ids) - 1) // block_size if block_size > 0 else 0
+        max_blocks = len(token_ids) // block_size if block_size > 0 else 0
         hashes = block_hashes(token_ids, block_size, max_blocks=max_blocks) if max_blocks > 0 else []
         if not hashes:
             # Ties start at the hash of its partial first block (the same in every API server): distinct prompts
