@@ -1,6 +1,9 @@
 """EngineCore end to end on a tiny random-weight model (2 layers, dim 64, vocab 300): milliseconds per test."""
 
 import dataclasses
+import os
+import re
+import sys
 
 import msgspec
 
@@ -503,3 +506,38 @@ def test_the_kv_cache_is_zero_page_aligned_and_its_buffers_do_not_overlap():
     del buffers  # a view keeps the mapping
     kept.add_(2)
     assert bool((kept == 2).all())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_populating_the_kv_cache_faults_its_pages_in_and_keeps_what_was_written():
+    import threading
+
+    from dpserve_engine.model_runner import populate_in_background, zeroed_buffers
+
+    buffers = zeroed_buffers(4, (2, 256, 1024), torch.float32, torch.device("cpu"))  # 2 MiB each
+    buffers[1][0, 3].fill_(7.0)  # a step wrote this before the thread got there
+    address = buffers[0].data_ptr()
+    assert resident_kib(address) < 8 << 10
+    gate = threading.Event()
+    compiling = threading.Thread(target=gate.wait)
+    compiling.start()
+    thread = populate_in_background(buffers, after=compiling)
+    assert thread is not None
+    thread.join(timeout=0.2)
+    assert thread.is_alive()  # waits for the decode step's preparation
+    gate.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    if tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2]) >= (5, 14):
+        assert resident_kib(address) == 8 << 10  # every page is in
+    assert bool((buffers[1][0, 3] == 7.0).all()) and int(torch.count_nonzero(torch.stack(buffers))) == 1024
+
+
+def resident_kib(address: int) -> int:
+    """Rss of the mapping that starts at `address` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-")[0] == f"{address:x}":
+            return next(int(x.split()[1]) for x in lines[i + 1 :] if x.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:x}")
