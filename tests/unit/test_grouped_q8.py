@@ -101,7 +101,7 @@ def test_q4q8_is_the_quantized_math_and_near_the_fp32_op(k, n):
         assert y.shape == (rows, n) and y.dtype == torch.float32
         ref = reference(x, nibbles, d, m)
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-        fp32 = torch.ops.dpserve.q4_linear(x, qs, d, m)  # the same weights on fp32 activations
+        fp32 = torch.ops.dpserve.q4_linear(x, qs, d, m.t().contiguous())  # the same weights on fp32 activations
         assert (y - fp32).norm() / fp32.norm() < 0.01, rows
 
 

@@ -90,6 +90,26 @@ def test_a_row_gets_the_same_result_alone_or_batched_on_its_path(path):
     assert torch.equal(layer.decode(torch.cat([x[:3], torch.zeros(2, 96)]), 3)[:3], together[:3])
 
 
+def test_q4_kernel_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads_split():
+    """N = 203: each thread's outputs end in 16-wide vector tiles, then single outputs (the minima's pass), at
+    places that move with the thread count and the batch's rows (the split's grain)."""
+    q, d, m = q4_groups(203, 96, seed=5)
+    layer = GroupedLinear(q, d, m, RowSplit(), "q4")
+    x = torch.randn(13, 96)
+    op = lambda rows: torch.ops.dpserve.q4_linear(rows, layer.qs, layer.d, layer.mt)  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([op(x[i : i + 1]) for i in range(13)])
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(op(x), alone), n
+            assert torch.equal(op(x[:5]), alone[:5]), n
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(alone, reference(q, d, m, x, "q4"), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("path", ["q4", "q4q8"])
 def test_q4_decode_zeroes_padding_rows(path):
     q, d, m = q4_groups(32, 64, seed=3)
@@ -102,7 +122,9 @@ def test_q4_kernel_refuses_mismatched_shapes():
     q, d, m = q4_groups(32, 64)
     layer = GroupedLinear(q, d, m, RowSplit(), "q4")
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        torch.ops.dpserve.q4_linear(torch.randn(2, 96), layer.qs, layer.d, layer.m)
+        torch.ops.dpserve.q4_linear(torch.randn(2, 96), layer.qs, layer.d, layer.mt)
+    with pytest.raises(RuntimeError, match="minima do not match"):  # [K / 32, N]: not d's layout
+        torch.ops.dpserve.q4_linear(torch.randn(2, 64), layer.qs, layer.d, layer.mt.t().contiguous())
 
 
 def test_fast_head_rescores_the_best_candidates_exactly():

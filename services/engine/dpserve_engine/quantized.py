@@ -39,8 +39,9 @@ class GroupedLinear(nn.Module):
     - "int4": torch's CPU int4 kernel, which computes (q - 8) * scale + zero per group with bf16 scale = d and
       zero = m + 8 d, on bf16 activations. Prefill rows go through a bf16 hi+lo copy of the same effective
       weights (a bf16 GEMM is ~3x faster than the int4 kernel at 128 rows where bf16 is in hardware).
-    - "q4": the engine's grouped kernel (csrc/grouped_linear.cpp) on the file's nibbles with fp32 d and m and fp32
-      activations; prefill rows through an fp32 copy (MKL's sgemm). For CPUs that emulate bf16.
+    - "q4": the engine's grouped kernel (csrc/grouped_linear.cpp) on the file's nibbles with fp32 d and m (m kept
+      transposed, `mt`) and fp32 activations; prefill rows through an fp32 copy (MKL's sgemm). For CPUs that
+      emulate bf16.
     - "q4q8": as "q4", but decode rows go through csrc/grouped_linear_q8.cpp, which quantizes each row's
       activations to int8 per group of 32 and takes integer dot products (llama.cpp's way; not fp32's results).
 
@@ -73,8 +74,11 @@ class GroupedLinear(nn.Module):
             nibbles = groups.to(torch.uint8)
             self.register_buffer("qs", (nibbles[..., :16] | (nibbles[..., 16:] << 4)).view(q.shape[0], -1))
             self.register_buffer("d", d.float().contiguous())
-            self.register_buffer("m", m.float().contiguous())
-            dense = (groups.float() * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)).view(q.shape)  # the file's w
+            if path == "q4":  # the fp32-activation kernel reads the minima transposed, [K / 32, N]
+                self.register_buffer("mt", m.float().t().contiguous())
+            else:
+                self.register_buffer("m", m.float().contiguous())
+            dense = (groups.float() * self.d.unsqueeze(-1) + m.float().unsqueeze(-1)).view(q.shape)  # the file's w
         self.register_buffer("dense", dense if prefill_copy else None)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -110,7 +114,7 @@ class GroupedLinear(nn.Module):
                                                              self.scales_zeros)  # fmt: skip
         if self.path == "q4q8":
             return torch.ops.dpserve.q4q8_linear(x.float(), self.qs, self.d, self.m)
-        return torch.ops.dpserve.q4_linear(x.float(), self.qs, self.d, self.m)
+        return torch.ops.dpserve.q4_linear(x.float(), self.qs, self.d, self.mt)
 
 
 class FastHead(nn.Module):

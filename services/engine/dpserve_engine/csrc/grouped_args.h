@@ -19,16 +19,19 @@ struct Args {
   at::Tensor x, qs, d, m;  // contiguous; m undefined without minima (Q8_0)
 };
 
+// m_transposed: the minima come as [K / 32, N] (q4_linear's layout) instead of d's [N, K / 32].
 inline Args prepare(const char* name, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                    const at::Tensor* m, int64_t weights_per_byte, at::ScalarType q_type) {
+                    const at::Tensor* m, int64_t weights_per_byte, at::ScalarType q_type,
+                    bool m_transposed = false) {
   TORCH_CHECK(x.dim() == 2 && qs.dim() == 2 && d.dim() == 2, name, ": bad ranks");
   TORCH_CHECK(x.scalar_type() == at::kFloat && d.scalar_type() == at::kFloat && qs.scalar_type() == q_type, name,
               ": bad dtypes");
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), G = K / 32;
   TORCH_CHECK(K % 32 == 0 && qs.size(1) == K / weights_per_byte && d.size(0) == N && d.size(1) == G, name,
               ": shapes do not match");
-  TORCH_CHECK(m == nullptr || (m->scalar_type() == at::kFloat && m->sizes() == d.sizes()), name,
-              ": minima do not match the scales");
+  TORCH_CHECK(m == nullptr || (m->scalar_type() == at::kFloat && m->dim() == 2 &&
+                                m->size(0) == (m_transposed ? G : N) && m->size(1) == (m_transposed ? N : G)),
+              name, ": minima do not match the scales");
   return {M, K, N, G, x.contiguous(), qs.contiguous(), d.contiguous(), m ? m->contiguous() : at::Tensor()};
 }
 

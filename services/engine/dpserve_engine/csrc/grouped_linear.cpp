@@ -4,14 +4,18 @@
 // For CPUs without hardware bf16 (AVX2), where torch's int4 kernel (bf16 activations), its int8 kernel and bf16
 // GEMMs run emulated. Per output n and row i: y[i, n] = sum_g d[n, g] * (q[n, g, :] . x[i, g, :]) + sum_g m[n, g] * sx[i, g]
 // with sx[i, g] the sum of the group's 32 activations. That is the dequantized fp32 matmul with the sums taken
-// in another order: the weights are the file's own, in fp32, no activation is rounded.
+// in another order: the weights are the file's own, in fp32, no activation is rounded. The minima's term is a
+// pass of its own over the thread's outputs, 8 outputs a vector (m transposed, [K / 32, N]), each output's sum
+// taken over g in order with fused multiply-adds: in the per-output loop it took ~18 % of the kernel at 8+ rows
+// (a short horizontal sum per row and output; 2026-12-06).
 //
 // Batch invariance: every (i, n) is computed by one thread with the same instructions in the same order whatever
 // M is and whichever block of rows i falls in, so a row's output has the same bits alone or in any batch.
 // Work: threads split the outputs n; each decodes a group's nibbles once and uses them for up to kRowBlock rows.
 //
-// Layout (model.py `GroupedWeights`): Q4_1 qs [N, K / 2] uint8, the file's bytes (group g's 16 bytes hold weight j
-// in the low nibble of byte j and weight j + 16 in the high nibble); Q8_0 qs [N, K] int8; d, m [N, K / 32] fp32.
+// Layout (quantized.py `GroupedLinear`): Q4_1 qs [N, K / 2] uint8, the file's bytes (group g's 16 bytes hold weight
+// j in the low nibble of byte j and weight j + 16 in the high nibble); Q8_0 qs [N, K] int8; d [N, K / 32] fp32; Q4_1's
+// m transposed, [K / 32, N] fp32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -24,12 +28,11 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 namespace {
-
-using dpserve_grouped::min_term;
 
 constexpr int64_t kGroup = 32;
 constexpr int kRowBlock = 8;
@@ -145,16 +148,64 @@ inline void q8_dots(const float* x, int64_t K, const int8_t* q, const float* d, 
 
 #endif
 
-// Outputs n0..n1 of rows 0..MB-1. Q4_1 adds the minima's term, sum_g m[n, g] * sx[i, g]; Q8_0 has none (m null).
+#if defined(__AVX2__) && defined(__FMA__)
+// R rows (s: their sx rows) of the minima's term for the 16 outputs at n, into out (row stride N).
+template <int R>
+inline void min_tile(const float* mt, const float* s, int64_t G, int64_t N, int64_t n, float* out) {
+  __m256 lo[R], hi[R];
+  for (int j = 0; j < R; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 m0 = _mm256_loadu_ps(mt + g * N + n), m1 = _mm256_loadu_ps(mt + g * N + n + 8);
+    for (int j = 0; j < R; ++j) {
+      const __m256 sv = _mm256_broadcast_ss(s + j * G + g);
+      lo[j] = _mm256_fmadd_ps(m0, sv, lo[j]);
+      hi[j] = _mm256_fmadd_ps(m1, sv, hi[j]);
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    _mm256_storeu_ps(out + j * N + n, lo[j]);
+    _mm256_storeu_ps(out + j * N + n + 8, hi[j]);
+  }
+}
+#endif
+
+// Q4_1's minima term of outputs n0..n1 of rows 0..M-1, into out: out[i, n] = sum_g mt[g, n] * sx[i, g], summed
+// over g in order, each step one fused multiply-add from 0 (the same bits in a vector lane and in the scalar tail,
+// whichever outputs a thread got). 16 outputs and up to 4 rows a pass: up to 8 independent sums, each mt vector
+// loaded once for the rows.
+void min_terms(const float* mt, const float* sx, int64_t G, int64_t N, int64_t M, int64_t n0, int64_t n1, float* out) {
+  int64_t n = n0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; n + 16 <= n1; n += 16) {
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) min_tile<4>(mt, sx + i * G, G, N, n, out + i * N);
+    switch (M - i) {
+      case 3: min_tile<3>(mt, sx + i * G, G, N, n, out + i * N); break;
+      case 2: min_tile<2>(mt, sx + i * G, G, N, n, out + i * N); break;
+      case 1: min_tile<1>(mt, sx + i * G, G, N, n, out + i * N); break;
+      default: break;
+    }
+  }
+#endif
+  for (; n < n1; ++n) {
+    for (int64_t i = 0; i < M; ++i) {
+      float a = 0.0f;
+      for (int64_t g = 0; g < G; ++g) a = std::fma(mt[g * N + n], sx[i * G + g], a);
+      out[i * N + n] = a;
+    }
+  }
+}
+
+// Outputs n0..n1 of rows 0..MB-1. Q4_1 adds the minima's term that min_terms left in out; Q8_0 has none (m null).
 template <int MB, typename Q>
-void block(const float* x, int64_t K, const Q* qs, int64_t row_bytes, const float* d, const float* m,
-           const float* sx, int64_t G, int64_t n0, int64_t n1, float* out, int64_t N) {
+void block(const float* x, int64_t K, const Q* qs, int64_t row_bytes, const float* d, int64_t G, int64_t n0,
+           int64_t n1, float* out, int64_t N) {
   float dot[MB];
   for (int64_t n = n0; n < n1; ++n) {
-    dpserve_grouped::prefetch_ahead(n, n1, qs, row_bytes, d, m, G);
+    dpserve_grouped::prefetch_ahead(n, n1, qs, row_bytes, d, static_cast<const float*>(nullptr), G);
     if constexpr (sizeof(Q) == 1 && std::is_same_v<Q, uint8_t>) {
       q4_dots<MB>(x, K, qs + n * row_bytes, d + n * G, G, dot);
-      for (int i = 0; i < MB; ++i) out[i * N + n] = dot[i] + min_term(m + n * G, sx + i * G, G);
+      for (int i = 0; i < MB; ++i) out[i * N + n] = dot[i] + out[i * N + n];
     } else {
       q8_dots<MB>(x, K, qs + n * row_bytes, d + n * G, G, dot);
       for (int i = 0; i < MB; ++i) out[i * N + n] = dot[i];
@@ -163,8 +214,8 @@ void block(const float* x, int64_t K, const Q* qs, int64_t row_bytes, const floa
 }
 
 template <typename Q>
-using BlockFn = void (*)(const float*, int64_t, const Q*, int64_t, const float*, const float*, const float*, int64_t,
-                         int64_t, int64_t, float*, int64_t);
+using BlockFn = void (*)(const float*, int64_t, const Q*, int64_t, const float*, int64_t, int64_t, int64_t, float*,
+                         int64_t);
 
 template <typename Q>
 constexpr BlockFn<Q> kBlocks[kRowBlock] = {block<1, Q>, block<2, Q>, block<3, Q>, block<4, Q>,
@@ -174,7 +225,8 @@ template <typename Q>
 at::Tensor grouped_linear(const char* name, const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
                           const at::Tensor* m_in, int64_t weights_per_byte, at::ScalarType q_type) {
   // x [M, K] fp32; qs [N, K / weights_per_byte]; d (and m) [N, K / 32] fp32 -> [M, N] fp32
-  const dpserve_grouped::Args a = dpserve_grouped::prepare(name, x_in, qs_in, d_in, m_in, weights_per_byte, q_type);
+  const dpserve_grouped::Args a =
+      dpserve_grouped::prepare(name, x_in, qs_in, d_in, m_in, weights_per_byte, q_type, /*m_transposed=*/true);
   const int64_t M = a.M, K = a.K, N = a.N, G = a.G;
   const at::Tensor &x = a.x, &qs = a.qs, &d = a.d, &m = a.m;
   at::Tensor out = at::empty({M, N}, x.options());
@@ -197,15 +249,15 @@ at::Tensor grouped_linear(const char* name, const at::Tensor& x_in, const at::Te
   at::parallel_for(0, N, dpserve_grouped::output_grain(K, M, kRowBlock), [&](int64_t n0, int64_t n1) {
     for (int64_t i0 = 0; i0 < M; i0 += kRowBlock) {
       const int64_t mb = std::min<int64_t>(kRowBlock, M - i0);
-      kBlocks<Q>[mb - 1](xp + i0 * K, K, qp, row_bytes, dp, mp, sx ? sx + i0 * G : nullptr, G, n0, n1,
-                         op + i0 * N, N);
+      if (mp) min_terms(mp, sx + i0 * G, G, N, mb, n0, n1, op + i0 * N);
+      kBlocks<Q>[mb - 1](xp + i0 * K, K, qp, row_bytes, dp, G, n0, n1, op + i0 * N, N);
     }
   });
   return out;
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  return grouped_linear<uint8_t>("q4_linear", x, qs, d, &m, 2, at::kByte);
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mt) {
+  return grouped_linear<uint8_t>("q4_linear", x, qs, d, &mt, 2, at::kByte);
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
@@ -215,7 +267,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dpserve, lib) {
-  lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
+  lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor mt) -> Tensor");
   lib.def("q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
 }
 
