@@ -533,6 +533,17 @@ def test_populating_the_kv_cache_faults_its_pages_in_and_keeps_what_was_written(
     assert bool((buffers[1][0, 3] == 7.0).all()) and int(torch.count_nonzero(torch.stack(buffers))) == 1024
 
 
+def test_a_served_rank_populates_its_kv_cache_and_an_in_process_core_does_not(model):
+    assert engine(model).runner.populate_thread is None
+    core = engine(model, populate_kv_cache=True)
+    assert core.runner.populate_thread is not None
+    core.runner.populate_thread.join(timeout=30)
+    first = core.runner.kv_caches[0][0]
+    if tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2]) >= (5, 14):
+        assert resident_kib(first.data_ptr()) >= first.numel() * first.element_size() >> 10
+    assert tokens(run(core, [("p", prompt(1), greedy())]))["p"] == solo(model, "p", prompt(1), greedy())
+
+
 def resident_kib(address: int) -> int:
     """Rss of the mapping that starts at `address` (/proc/self/smaps)."""
     with open("/proc/self/smaps") as f:

@@ -69,7 +69,8 @@ class EngineCore(EngineCoreBase):
         self.runner = ModelRunner(model, self.kv_blocks_total, config.block_size, model_info.eos_token_ids)
         if not config.enforce_eager and self.runner.device.type == "cpu":
             self.runner.compile_decode(config.cache_dir, background=config.compile_in_background)
-        self.runner.populate_kv_cache()
+        if config.populate_kv_cache:
+            self.runner.populate_kv_cache()
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.num_arrivals = 0

@@ -125,6 +125,7 @@ class ModelRunner:
         self.model = model
         self.compiled: CompiledDecode | None = None  # set by compile_decode() once the graphs are ready
         self.compile_thread: threading.Thread | None = None  # compile_decode(background=True)
+        self.populate_thread: threading.Thread | None = None  # populate_kv_cache()
         self.device = model.rope_cos.device
         self.block_size = block_size
         self.num_blocks = num_blocks + 1  # in the cache: the scheduler's blocks, then one scratch block
@@ -141,7 +142,8 @@ class ModelRunner:
     def populate_kv_cache(self) -> threading.Thread | None:
         """Fault the KV cache's pages in from a background thread, after the decode step's preparation if that
         runs in the background too (`populate_in_background`)."""
-        return populate_in_background([t for kv in self.kv_caches for t in kv], after=self.compile_thread)
+        self.populate_thread = populate_in_background([t for kv in self.kv_caches for t in kv], after=self.compile_thread)
+        return self.populate_thread
 
     def compile_decode(self, cache_dir: str, background: bool = False) -> None:
         """Compile the decode step (compiled.py), or load it from inductor's cache: now, or in a background thread

@@ -507,7 +507,7 @@ def run(argv: list[str] | None = None) -> int:
     try:
         # a served rank registers before its decode step is compiled, and switches to it when it is ready
         with Ticker(log, f"loading model {config.model}"):
-            core = build_engine_core(dataclasses.replace(config, compile_in_background=True))
+            core = build_engine_core(dataclasses.replace(config, compile_in_background=True, populate_kv_cache=True))
     except Exception as e:  # noqa: BLE001 - the message is what the user needs; the traceback goes to debug
         log.debug("model load failed", exc_info=True)
         log.error("cannot load model %s: %s: %s", config.model, type(e).__name__, e)

@@ -96,6 +96,9 @@ class EngineConfig:
     # already serves through eager PyTorch, switching over once done (the engine service); False: EngineCore's
     # constructor returns with it compiled (tests, benchmarks).
     compile_in_background: bool = False
+    # Fault the KV cache's pages in from a lowest-priority thread once the decode step is ready (model_runner.py
+    # `populate_in_background`): served ranks (dpserve-engine), not in-process cores (tests, `bench engine`).
+    populate_kv_cache: bool = False
     # A request that waited this long in the queue without being scheduled is ended (ERROR, retry_reason
     # "queue_time": the frontend answers 503 + Retry-After); None: no limit. Continuations are exempt.
     max_queue_time_s: float | None = None
