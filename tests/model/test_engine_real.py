@@ -69,6 +69,28 @@ def test_16_concurrent_requests_equal_each_alone(core, chat):
         assert generate(core, {rid: ids}, 12)[rid] == together[rid], rid
 
 
+def test_a_fully_cached_prompt_gives_the_tokens_it_gave_uncached(core, chat):
+    """A prompt that fills its last block, sent again: every block is a prefix hit and only its last token runs,
+    as a decode row (the decode kernel, not the prefill copy: other last bits in its first logits, and on int4
+    bf16 activations). The tokens are the uncached run's, or first differ where its top two were a near tie."""
+    for i, text in enumerate(PROMPTS):
+        ids = chat(f"{text} (cached {i})")
+        ids = ids + ids[-1:] * (-len(ids) % core.block_size)  # the last token ("\n") again to fill the block
+        runs = []
+        for rid in (f"a{i}", f"b{i}"):
+            core.add_request(EngineRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)))
+            runs.append([o for _ in range(64) if core.has_unfinished() for o in core.step()])
+        uncached, cached = runs
+        assert uncached[0].num_cached_tokens < len(ids) - 1 and cached[0].num_cached_tokens == len(ids) - 1
+        first = [t for o in uncached for t in o.new_token_ids]
+        again = [t for o in cached for t in o.new_token_ids]
+        if again != first:
+            k = next(k for k, (a, b) in enumerate(zip(first, again)) if a != b)
+            top = [lp for o in uncached for lp in o.new_logprobs][k]
+            scores = dict(zip(top.top_ids, top.top_logprobs))
+            assert again[k] in scores and scores[first[k]] - scores[again[k]] < 0.05, (text, k, scores)
+
+
 def test_production_precision_matches_fp32_greedy(core, chat):
     """q4 (fp32 activations on the file's weights): fp32's greedy tokens exactly. int4 (bf16 activations): the same
     tokens except where the fp32 reference itself nearly ties (bf16 rounding can swap such a pair)."""
