@@ -139,11 +139,10 @@ class ModelRunner:
         self.block_offsets = torch.arange(block_size, device=self.device)
         logger.info("KV cache: %d blocks x %d tokens, %s", num_blocks, block_size, kv_dtype)
 
-    def populate_kv_cache(self) -> threading.Thread | None:
-        """Fault the KV cache's pages in from a background thread, after the decode step's preparation if that
-        runs in the background too (`populate_in_background`)."""
+    def populate_kv_cache(self) -> None:
+        """Fault the KV cache's pages in from a background thread (`populate_thread`), after the decode step's
+        preparation if that runs in the background too (`populate_in_background`)."""
         self.populate_thread = populate_in_background([t for kv in self.kv_caches for t in kv], after=self.compile_thread)
-        return self.populate_thread
 
     def compile_decode(self, cache_dir: str, background: bool = False) -> None:
         """Compile the decode step (compiled.py), or load it from inductor's cache: now, or in a background thread

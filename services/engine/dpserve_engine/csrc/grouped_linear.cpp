@@ -5,7 +5,7 @@
 // GEMMs run emulated. Per output n and row i: y[i, n] = sum_g d[n, g] * (q[n, g, :] . x[i, g, :]) + sum_g m[n, g] * sx[i, g]
 // with sx[i, g] the sum of the group's 32 activations. That is the dequantized fp32 matmul with the sums taken
 // in another order: the weights are the file's own, in fp32, no activation is rounded. The minima's term is a
-// pass of its own over the thread's outputs, 8 outputs a vector (m transposed, [K / 32, N]), each output's sum
+// pass of its own over the thread's outputs, tiles of 16 outputs by up to 4 rows (m transposed, [K / 32, N]; `min_terms`), each output's sum
 // taken over g in order with fused multiply-adds: in the per-output loop it took ~18 % of the kernel at 8+ rows
 // (a short horizontal sum per row and output; 2026-12-06).
 //
