@@ -58,6 +58,7 @@ class Browser:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self._drain: threading.Thread | None = None  # reads Chromium's stderr once its address is known
         self.console: list[str] = []  # the page's console messages and uncaught errors
 
     async def __aenter__(self) -> Browser:
@@ -99,7 +100,9 @@ class Browser:
             if match:
                 # Keep draining stderr so that Chromium never blocks on a full pipe.
                 stream = self._proc.stderr
-                threading.Thread(target=lambda: [None for _ in stream], name="chromium-stderr", daemon=True).start()
+                self._drain = threading.Thread(target=lambda: [None for _ in stream], name="chromium-stderr",
+                                               daemon=True)
+                self._drain.start()
                 return match.group(1).decode()
         raise BrowserError(f"Chromium exited before it listened: {seen[-2000:].decode(errors='replace')}")
 
@@ -177,6 +180,10 @@ class Browser:
             except ProcessLookupError:
                 pass
             await asyncio.to_thread(self._proc.wait)
+        if self._proc is not None and self._proc.stderr is not None:
+            if self._drain is not None:  # at the pipe's end now that Chromium is gone
+                await asyncio.to_thread(self._drain.join, 10)
+            self._proc.stderr.close()
         shutil.rmtree(self._profile, ignore_errors=True)
 
 

@@ -2,11 +2,58 @@
 
 from __future__ import annotations
 
+import random
 import socket
+import threading
+
+LOWEST_PICKED_PORT = 20000  # above Ray's default worker ports (10002-19999) and the well-known services
+_RECENT = 256  # ports handed out lately in this process, not handed out again
+_random = random.SystemRandom()  # not the `random` a test may have seeded: two processes must not pick alike
+_lock = threading.Lock()
+_given: list[int] = []
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for bind(0) and for the local end of outgoing connections (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the OS's pick; whoever binds it later may find it taken meanwhile)."""
+    """A TCP port free on `host` now; whoever binds it later may still find it taken meanwhile. Picked below the
+    kernel's ephemeral range where there is room: a port that bind(0) hands out comes from the range the kernel also
+    uses for the local end of every process's outgoing connections, so any connection made meanwhile can take it;
+    below that range only an explicit bind can."""
+    low, _ = ephemeral_port_range()
+    with _lock:
+        if low - LOWEST_PICKED_PORT >= 1000:
+            for _ in range(200):
+                port = _random.randrange(LOWEST_PICKED_PORT, low)
+                if port not in _given and _bindable(host, port):
+                    break
+            else:
+                port = _os_pick(host)
+        else:
+            port = _os_pick(host)
+        _given.append(port)
+        del _given[:-_RECENT]
+        return port
+
+
+def _os_pick(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -153,8 +153,10 @@ def test_concurrent_requests_are_spread_over_every_rank(server):
     served = _wait_counters(server, before, NUM_CONCURRENT)
     context = f"served per rank {served}; /health {_health(server)}"
     assert sum(served.values()) == NUM_CONCURRENT, context
+    # Spread, not split evenly: the router weighs each rank's queue, and a rank that runs slower for a moment (its
+    # KV cache still being populated, the other API server's burst landing first) rightly gets fewer.
     for rank in range(DP):
-        assert served.get(rank, 0) > NUM_CONCURRENT / (DP + 1), f"rank {rank} served too few: {context}"
+        assert served.get(rank, 0) >= NUM_CONCURRENT / (2 * DP), f"rank {rank} served too few: {context}"
 
 
 def _wait_counters(server, before: dict[int, float], expected_total: int) -> dict[int, float]:

@@ -147,7 +147,7 @@ def test_ranks_land_on_the_right_hosts_and_all_serve(cluster, local):
         hosts.cmd(0, [DPSERVE, "serve", "--ray-address", f"{head_ip}:{RAY_PORT}",
                       "--data-parallel-address", head_ip, "--data-parallel-size", "4",
                       "--data-parallel-size-local", str(local), "--host", head_ip, "--port", str(HTTP_PORT),
-                      "--max-num-seqs", "8", "--max-model-len", "512",
+                      "--max-num-seqs", "8", "--max-model-len", "512", "--num-kv-blocks", "256",
                       # the three "hosts" share this machine's cores: one thread per rank, not each host's all
                       "--num-threads", "1"]),
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -11,7 +11,6 @@
 """
 
 import asyncio
-import socket
 import time
 
 import aiohttp
@@ -23,6 +22,7 @@ from dpserve_frontend.app import STATE_KEY
 from dpserve_frontend.server import ApiServer
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.state import ServerState
+from tests.conftest import free_port
 from tests.integration._frontend_helpers import NullEngine, frontend_client, run, topology
 
 pytestmark = pytest.mark.timeout(90)
@@ -107,12 +107,6 @@ def test_a_request_that_waited_longer_than_max_queue_time_is_a_503(model_info):
         run(scenario())
     finally:
         engine.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_drain_answers_503_with_the_port_open_and_ends_what_outlives_the_shutdown_timeout(model_info):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,17 +16,12 @@ import urllib.request
 import pytest
 
 from dpserve_shared.schema import Heartbeat, RegisterFrontend, Unregister
+from tests.conftest import free_port
 from tests.integration._frontend_helpers import FakeCoordinator, NullEngine
 
 pytestmark = pytest.mark.timeout(120)
 
 FRONTEND = os.path.join(os.path.dirname(sys.executable), "dpserve-frontend")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url, timeout=30):
