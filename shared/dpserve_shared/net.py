@@ -38,16 +38,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     uses for the local end of every process's outgoing connections, so any connection made meanwhile can take it;
     below that range only an explicit bind can."""
     low, _ = ephemeral_port_range()
+    tries = 200 if low - LOWEST_PICKED_PORT >= 1000 else 0  # no room below the range: the kernel's pick
     with _lock:
-        if low - LOWEST_PICKED_PORT >= 1000:
-            for _ in range(200):
-                port = _random.randrange(LOWEST_PICKED_PORT, low)
-                if port not in _given and _bindable(host, port):
-                    break
-            else:
-                port = _os_pick(host)
-        else:
-            port = _os_pick(host)
+        picks = (_random.randrange(LOWEST_PICKED_PORT, low) for _ in range(tries))
+        port = next((p for p in picks if p not in _given and _bindable(host, p)), None) or _os_pick(host)
         _given.append(port)
         del _given[:-_RECENT]
         return port
