@@ -515,13 +515,11 @@ def llama_cpp(opts, results: dict) -> None:
 
 def machine_record() -> dict:
     """The CPU (model, torch's capability, the flags that pick kernels) and the kernel path engines choose on it
-    by default (dpserve_engine.cpu_paths; a measured choice read from the engines' cache when there is one)."""
+    by default (dpserve_engine.cpu_paths)."""
     from dpserve_engine import cpu_paths
-    from dpserve_engine.settings import EngineConfig
 
     cpu = cpu_paths.detect()
-    cache = os.path.join(EngineConfig().cache_dir, "cpu-paths.json")
-    return {**cpu.describe(), "kernel_path": cpu_paths.choose(cpu, cache_file=cache).describe(),
+    return {**cpu.describe(), "kernel_path": cpu_paths.choose(cpu).describe(),
             "python": platform.python_version(), "torch": torch_version()}  # fmt: skip
 
 

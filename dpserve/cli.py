@@ -3,6 +3,8 @@
 - `dpserve serve`: the coordinator, the engine ranks and the API servers of one deployment (serve.py);
 - `dpserve scale --data-parallel-size K`: add or remove engine ranks of a running deployment (scale.py);
 - `dpserve status`: the status page in the terminal (status.py);
+- `dpserve cpu [--emulate KIND]`: the CPU kind the engines detect here and the kernel path they choose, or the
+  environment that makes this machine run a lesser kind's code and choices (dpserve_engine.cpu_paths);
 - `dpserve bench serve|engine|chaos|routing`: benchmarks (the `bench` package: bench/serve.py, bench/chaos.py,
   bench/routing.py; the engine's own `dpserve_engine.bench`).
 """
@@ -31,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="ranks, load, waves and failures of a running deployment, refreshed in the terminal"
     )
     add_status_flags(status_parser)
+    cpu = commands.add_parser("cpu", help="the CPU kind the engines detect here and the kernel path they choose; "
+                              "--emulate KIND prints the environment that makes this machine run a lesser kind")
+    cpu.add_argument("--emulate", metavar="KIND", choices=["avx2", "avx512", "avx512_bf16"],
+                     help="print KEY=VALUE lines (for `env $(dpserve cpu --emulate avx2) make test`): torch's, MKL's "
+                     "and oneDNN's caps and DPSERVE_CPU_MASK for that kind")
     bench = commands.add_parser("bench", help="benchmarks: `bench serve` (any OpenAI URL), `bench engine` "
                                 "(EngineCore), `bench chaos` (rank faults under load), `bench routing` (routing "
                                 "policies on many null-engine ranks)")
@@ -63,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             return status(args)
         except KeyboardInterrupt:
             return 0
+    if args.command == "cpu":
+        return cpu_command(args.emulate)
     if args.command == "bench":
         if args.kind == "serve":
             from dpserve.bench.serve import main as bench_serve_main
@@ -81,6 +90,22 @@ def main(argv: list[str] | None = None) -> int:
         return engine_bench.main(args.bench_args) or 0
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def cpu_command(emulate: str | None) -> int:
+    from dpserve_engine import cpu_paths  # imports torch (its capability) only when asked
+
+    if emulate:
+        print("\n".join(f"{k}={v}" for k, v in cpu_paths.emulation_env(emulate).items()))
+        return 0
+    cpu = cpu_paths.detect()
+    chosen = cpu_paths.choose(cpu)
+    print(f"CPU {cpu.model_name}: kind {cpu.kind} (torch {cpu.capability}; {' '.join(cpu.describe()['flags'])})")
+    if cpu.masked:
+        print(f"hidden by {cpu_paths.MASK_ENV}: {' '.join(sorted(cpu.masked))}")
+    print(f"kernel path {chosen.path}, because {chosen.reason}")
+    print(f"emulable kinds here: {', '.join(cpu_paths.emulable_kinds(cpu)) or 'none'}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -52,9 +52,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     ),
     EngineFlag(
         "--quantization", str,
-        "how the GGUF's 4-bit weights run on CPU. auto: chosen for the CPU (logged): q4 without bf16 in hardware, "
-        "int4 with it; q4: the engine's grouped kernels on fp32 activations, fp32 prefill copies, Q8_0 LM head; "
-        "int4: torch's int4 kernel on bf16 activations, bf16 prefill copies, int8/bf16 LM head rescored in fp32; "
+        "how the GGUF's 4-bit weights run on CPU. auto: q4 on every CPU kind (logged with the kind); q4: the "
+        "engine's grouped kernels on fp32 activations, fp32 prefill copies, Q8_0 LM head; int4 (opt-in, not "
+        "exact: tokens can depend on the batch and change when a stream migrates): torch's int4 kernel on bf16 "
+        "activations, bf16 prefill copies, int8/bf16 LM head rescored in fp32; "
         "q4q8: as q4 but decode rows and the LM head on activations quantized to int8 (llama.cpp's way; never "
         "chosen by auto: greedy tokens differ from fp32's); none: dequantized weights in --dtype",
         ("auto", "q4", "q4q8", "int4", "none"),

@@ -143,6 +143,15 @@ class FrontendStats(_Part):
     tpot_count: int = 0
 
 
+class CpuChoice(_Part):
+    """The CPU an engine runs on and the kernel path it chose there (dpserve_engine.cpu_paths), for /status."""
+
+    kind: str = ""  # avx2 | avx512 | avx512_bf16 | amx | baseline ("" off CPU)
+    model: str = ""  # /proc/cpuinfo's model name
+    kernel_path: str = ""  # int4 | q4 | q4q8 ("": not a quantized model on CPU, e.g. the null engine)
+    reason: str = ""  # why that path; a path that gives up exactness also says so here
+
+
 class EngineInfo(_Part):
     rank: int
     engine_id: str
@@ -156,6 +165,7 @@ class EngineInfo(_Part):
     failed: bool = False  # in a crash loop: it died soon after each of its last starts (retried on a back-off)
     deaths: dict[str, int] = {}  # times it went DEAD, by kind (killed, exited, missed_heartbeats, stuck, ...)
     block_size: int = 0  # tokens per KV block (prefix-cache hashes are per block; 0: an engine before #17)
+    cpu: CpuChoice | None = None  # its CPU kind and kernel path (None: an engine before #35)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -264,6 +274,7 @@ class RegisterEngine(_Msg, tag="register_engine"):
     pid: int = 0
     block_size: int = 0  # tokens per KV block: what its prefix cache hashes (dpserve_shared.block_hash)
     num_experts: int = 0  # an MoE model's experts (0: dense, or any): an expert-parallel size must divide it
+    cpu: CpuChoice | None = None  # the CPU kind it detected and the kernel path it chose (cpu_paths.py)
 
 
 class RegisterFrontend(_Msg, tag="register_frontend"):

@@ -1,8 +1,11 @@
 """DP=2 behind 2 API servers, through `dpserve serve` as a user runs it: real processes, sockets and Ray.
 
-Each test runs against three servers (one at a time, each started once): the real model on the ray backend and
-on the mp backend, and the null engine on mp (a quick check of the serving path alone). Which rank served a
-request is read from the per-engine counters in /metrics; pinning uses the `X-data-parallel-rank` header.
+Each test runs against two servers (one at a time, each started once): the real model on the ray backend (what
+`make serve` starts) and the null engine on mp (a quick check of the serving path alone, and of the mp backend's
+replacements). The real model on mp is tests/e2e/test_openai_api.py's: the engines and the frontends' migration
+are the same code under either backend, so the dead-rank streams run once, on ray, where all three faults exist.
+Which rank served a request is read from the per-engine counters in /metrics; pinning uses the
+`X-data-parallel-rank` header.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ NUM_CONCURRENT = 40
 
 SERVERS = [
     pytest.param(("mp", True), id="mp-null"),
-    pytest.param(("mp", False), id="mp-model", marks=pytest.mark.slow),
     pytest.param(("ray", False), id="ray-model", marks=[pytest.mark.slow, pytest.mark.ray]),
 ]
 
@@ -222,6 +224,22 @@ def test_health_reports_every_rank(server):
         body = json.load(response)
     assert body["status"] == "ok"
     assert sorted(body["serving_ranks"]) == list(range(DP))
+
+
+def test_status_shows_each_ranks_cpu_kind_and_kernel_path(server):
+    """Every rank's CPU kind and the kernel path it chose, on /status.json and in the start-up log (issue #35)."""
+    from dpserve_engine import cpu_paths
+
+    with urllib.request.urlopen(server.url + "/status.json", timeout=10) as response:
+        ranks = json.load(response)["ranks"]
+    assert len(ranks) == DP
+    if "(null engine)" in server.log().split("\n", 1)[0]:
+        assert all(r["kernel_path"] is None for r in ranks), ranks
+        return
+    kind = cpu_paths.detect().kind
+    for r in ranks:
+        assert (r["cpu_kind"], r["kernel_path"]) == (kind, "q4") and f"CPU kind {kind}" in r["kernel_path_reason"], r
+    assert f"kind {kind} (" in server.log() and "kernel path q4, because CPU kind" in server.log()
 
 
 # -- failure (last: it replaces a rank of the shared server) ---------------------------------------------------

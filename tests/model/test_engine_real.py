@@ -1,5 +1,7 @@
 """EngineCore on the real SmolLM2-135M (bundled GGUF): correct answers, batching invariance, precision."""
 
+import os
+
 import jinja2.sandbox
 import pytest
 import torch
@@ -22,13 +24,16 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["auto", "q4", "int4"])
-def core(request):
-    """auto: the production path chosen for this machine's CPU; then each kernel path forced (cpu_paths.py),
-    since every one of them runs on any x86 CPU (int4's bf16 emulated where it is not in hardware)."""
+@pytest.fixture(scope="module")
+def core():
+    """The production path `auto` chooses for this machine's CPU (cpu_paths.py: q4 on every kind). Under
+    test_emulated_kinds.py this module runs again in a process that detects a lesser kind
+    (DPSERVE_TEST_EMULATED_KIND): the path, the kernels' ISA and the libraries' caps are that kind's."""
     torch.set_num_threads(2)
-    core = EngineCore(EngineConfig(quantization=request.param))
-    assert core.runner.model.kernel_paths.path in ("q4", "int4")
+    core = EngineCore(EngineConfig())
+    paths = core.runner.model.kernel_paths
+    assert paths.path == "q4" and paths.exact
+    assert paths.cpu_kind == os.environ.get("DPSERVE_TEST_EMULATED_KIND", paths.cpu_kind)
     return core
 
 
@@ -48,9 +53,15 @@ def chat():
 
 
 def generate(core, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
-    for rid, ids in prompts.items():
-        core.add_request(EngineRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
-    out = {rid: [] for rid in prompts}
+    return run(core, {rid: EngineRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+                      for rid, ids in prompts.items()})  # fmt: skip
+
+
+def run(core, requests: dict[str, EngineRequest]) -> dict[str, list[int]]:
+    """Every request added at once, stepped to the end: each one's output tokens."""
+    for request in requests.values():
+        core.add_request(request)
+    out = {rid: [] for rid in requests}
     while core.has_unfinished():
         for o in core.step():
             out[o.request_id] += o.new_token_ids
@@ -92,17 +103,36 @@ def test_a_fully_cached_prompt_gives_the_tokens_it_gave_uncached(core, chat):
 
 
 def test_production_precision_matches_fp32_greedy(core, chat):
-    """q4 (fp32 activations on the file's weights): fp32's greedy tokens exactly. int4 (bf16 activations): the same
-    tokens except where the fp32 reference itself nearly ties (bf16 rounding can swap such a pair)."""
+    """q4 (fp32 activations on the file's weights): fp32's greedy tokens exactly."""
     prompts = {f"p{i}": chat(p) for i, p in enumerate(PROMPTS)}
     production = generate(core, prompts, 32)
     fp32_model = load_model(EngineConfig(quantization="none"), Precision.fp32())  # dequantized, fp32 everywhere
     reference = EngineCore.from_model(EngineConfig(num_kv_blocks=256), fp32_model, core.model_info)
-    expected = generate(reference, prompts, 32)
-    if core.runner.model.kernel_paths.path == "q4":
-        assert production == expected
-    else:
-        assert_equal_but_near_ties(production, expected, prompts, reference)
+    assert production == generate(reference, prompts, 32)
+
+
+def test_a_continuation_goes_on_with_the_tokens_the_stream_would_have_had(core, chat):
+    """What a migrated stream rests on (README: its rank dies, another rank continues it): the prompt plus the
+    first k output tokens, prefilled on a rank that never saw them (no prefix cache), batched with other
+    continuations, gives the tokens the stream went on with, greedy and seeded."""
+    fresh = EngineCore.from_model(EngineConfig(enable_prefix_caching=False, num_kv_blocks=256), core.runner.model,
+                                  core.model_info)  # fmt: skip
+    max_tokens = 32
+
+    def params(i: int, n: int) -> SamplingParams:
+        seeded = dict(temperature=0.8, seed=1000 + i) if i % 2 else dict(temperature=0.0)
+        return SamplingParams(max_tokens=n, ignore_eos=True, **seeded)
+
+    prompts = {f"s{i}": chat(f"Story {i}: once upon a time") for i in range(6)}
+    full = run(core, {rid: EngineRequest(rid, ids, params(i, max_tokens)) for i, (rid, ids) in enumerate(prompts.items())})
+    continuations = {
+        f"{rid}@{k}": EngineRequest(f"{rid}@{k}", ids + full[rid][:k], params(i, max_tokens - k), num_generated=k)
+        for k in (3, 17) for i, (rid, ids) in enumerate(prompts.items())
+    }  # fmt: skip
+    went_on = run(fresh, continuations)
+    for cid, tokens in went_on.items():
+        rid, k = cid.split("@")
+        assert tokens == full[rid][int(k):], cid
 
 
 def test_dequantized_fp32_answers_the_capital_of_france(chat):

@@ -147,3 +147,19 @@ def test_terminal_rendering_has_a_line_per_rank_and_the_banner():
     assert any(line.startswith("0 ") and " ready " in line for line in lines)
     assert any(line.startswith("1 ") and " dead " in line and "(killed)" in line for line in lines)
     assert "coordinator unreachable (last heard 12 s ago)" in text
+
+
+def test_each_rank_shows_its_cpu_kind_and_kernel_path():
+    """RegisterEngine.cpu reaches /status through the registry's EngineInfo (an older engine's is None)."""
+    from dpserve_shared.schema import CpuChoice
+
+    choice = CpuChoice("avx512_bf16", "AMD EPYC", "q4", "CPU kind avx512_bf16: fp32 activations keep fp32's tokens")
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(_info(0, cpu=choice)), type=EngineInfo)
+    assert decoded.cpu == choice
+    feed = Feed()
+    feed.inputs.topology = Topology(epoch=1, engines=[_info(0, cpu=choice), _info(1)], data_parallel_size=2)
+    tracker = StatusTracker("test", feed)
+    tracker.sample(now_s=1.0, wall_s=1.0)
+    rank0, rank1 = tracker.status()["ranks"]
+    assert (rank0["cpu_kind"], rank0["kernel_path"]) == ("avx512_bf16", "q4") and "fp32" in rank0["kernel_path_reason"]
+    assert rank1["cpu_kind"] is None and rank1["kernel_path"] is None

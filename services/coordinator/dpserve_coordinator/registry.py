@@ -22,6 +22,7 @@ import time
 
 from dpserve_shared.codec import ProtocolMismatch, check_protocol
 from dpserve_shared.schema import (
+    CpuChoice,
     EngineInfo,
     EngineLoad,
     EngineState,
@@ -71,6 +72,7 @@ class EngineEntry:
     step_changed_s: float = 0.0  # when its load's step counter last moved (or it registered)
     block_size: int = 0
     num_experts: int = 0
+    cpu: CpuChoice | None = None
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -86,6 +88,7 @@ class EngineEntry:
             failed=self.failed,
             deaths=dict(self.deaths),
             block_size=self.block_size,
+            cpu=self.cpu,
         )
 
 
@@ -153,6 +156,7 @@ class Registry:
             kv_blocks_total=msg.kv_blocks_total,
             block_size=msg.block_size,
             num_experts=msg.num_experts,
+            cpu=msg.cpu,
             last_seen_s=now_s,
             step_changed_s=now_s,
             # the rank's history (the supervisor's): a replacement keeps the count and the crash-loop mark

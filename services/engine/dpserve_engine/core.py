@@ -14,13 +14,13 @@ collectives match one for one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import time
 from collections.abc import Iterable
 
 import torch
-from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
+from dpserve_shared.schema import CpuChoice, EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
 from dpserve_shared.timing import MAX_LOGPROBS
 
 from dpserve_engine.block_manager import BlockManager
@@ -160,6 +160,17 @@ class EngineCore(EngineCoreBase):
 
     def kv_snapshot(self) -> list[int]:
         return self.block_manager.cached_hashes()
+
+    def cpu_choice(self) -> CpuChoice | None:
+        if self.runner.device.type != "cpu":
+            return None
+        from dpserve_engine import cpu_paths
+
+        cpu, paths = cpu_paths.detect(), self.runner.model.kernel_paths
+        if paths is None:
+            return CpuChoice(cpu.kind, cpu.model_name, "", "not a quantized GGUF model: dequantized weights")
+        return CpuChoice(paths.cpu_kind, cpu.model_name, paths.path,
+                         paths.reason + (f" (not exact: {paths.caveat})" if paths.caveat else ""))  # fmt: skip
 
     # -- expert parallelism ----------------------------------------------------------------------------------
 
@@ -347,22 +358,26 @@ def load_model(config: EngineConfig, precision: Precision | None = None) -> Tran
 
 
 def choose_kernel_paths(config: EngineConfig, quantization: str):
-    """The kernel path for GGUF groups on this CPU (cpu_paths.py), logged with the reason. Both paths use the
-    engine's C++ kernels (built here, cached); without a C++ compiler only torch's "int4" kernels can run."""
+    """The kernel path for GGUF groups on this CPU (cpu_paths.py), logged with the CPU kind and the reason, and a
+    warning when the path does not keep the README's promises there. Both paths use the engine's C++ kernels
+    (built here, cached); without a C++ compiler only torch's "int4" kernels can run."""
     from dpserve_engine import cpu_paths, kernels
 
     cpu = cpu_paths.detect()
+    forced = None if quantization == "auto" else quantization
     try:
         kernels.load(config.cache_dir)
     except Exception as e:  # noqa: BLE001 - e.g. no compiler: torch's own kernels still run
-        chosen = cpu_paths.KernelPaths("int4", f"the engine's C++ kernels could not be built ({e})")
+        chosen = cpu_paths.choose(cpu, "int4")
+        chosen = dataclasses.replace(chosen, reason=f"the engine's C++ kernels could not be built ({e})")
     else:
-        forced = None if quantization == "auto" else quantization
-        cache_file = os.path.join(config.cache_dir, "cpu-paths.json")
-        chosen = cpu_paths.choose(cpu, forced, cpu_paths.decode_benchmark(), cache_file)
-    logger.info("CPU %s (torch %s; %s): kernel path %s, because %s: decode %s, prefill %s, LM head %s",
-                cpu.model_name, cpu.capability, " ".join(cpu.describe()["flags"]) or "no AVX2", chosen.path,
-                chosen.reason, chosen.decode, chosen.prefill, chosen.head)  # fmt: skip
+        chosen = cpu_paths.choose(cpu, forced)
+    masked = f", hiding {' '.join(sorted(cpu.masked))} ({cpu_paths.MASK_ENV})" if cpu.masked else ""
+    logger.info("CPU %s, kind %s (torch %s; %s%s): kernel path %s, because %s: decode %s, prefill %s, LM head %s",
+                cpu.model_name, chosen.cpu_kind, cpu.capability, " ".join(cpu.describe()["flags"]) or "no AVX2",
+                masked, chosen.path, chosen.reason, chosen.decode, chosen.prefill, chosen.head)  # fmt: skip
+    if chosen.caveat:
+        logger.warning("kernel path %s trades exactness for speed on this CPU: %s", chosen.path, chosen.caveat)
     return chosen
 
 

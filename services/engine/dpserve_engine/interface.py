@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 
-from dpserve_shared.schema import EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
+from dpserve_shared.schema import CpuChoice, EngineLoad, EngineRequest, FinishReason, ModelInfo, RequestOutput
 
 
 class InvalidRequest(ValueError):
@@ -50,6 +50,10 @@ class EngineCoreBase(abc.ABC):
     def kv_snapshot(self) -> list[int]:
         """Every block hash the prefix cache holds now."""
         return []
+
+    def cpu_choice(self) -> CpuChoice | None:
+        """The CPU kind and kernel path this core runs on (RegisterEngine.cpu, /status); None: nothing to say."""
+        return None
 
     # Expert parallelism (--enable-expert-parallel; the lock-step contract, service lockstep.py): once the rank
     # joined the group, every step() and every dummy_step() runs each MoE layer's collectives exactly once (a step

@@ -98,7 +98,7 @@ class GroupedLinear(nn.Module):
         return torch.cat([y, y.new_zeros(x.shape[0] - rows, y.shape[1])]).to(x.dtype)
 
     def _dense(self, x: Tensor) -> Tensor:
-        if self.dense is None:  # built without a prefill copy (the kernel micro-benchmark)
+        if self.dense is None:  # built without a prefill copy
             return self._grouped(x)
         if self.path == "int4":
             xb = x.to(torch.bfloat16)

@@ -134,6 +134,7 @@ class EngineService:
             pid=os.getpid(),
             block_size=self.core.block_size,
             num_experts=self.core.num_experts,
+            cpu=self.core.cpu_choice(),
         )
         ack = self.coordinator.register(registration, lambda: self.lifecycle.is_stopped or self._parent_died())
         self._on_registered(ack)

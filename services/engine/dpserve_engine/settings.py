@@ -34,6 +34,8 @@ from dpserve_engine.model_files import DEFAULT_MODEL, is_gguf, parse_upcycled
 
 CACHE_DIR_ENV = "DPSERVE_CACHE_DIR"
 ENFORCE_EAGER_ENV = "DPSERVE_ENFORCE_EAGER"
+# Flags hidden from the engine's own CPU detection (cpu_paths.py): comma-separated, `*` globs
+CPU_MASK_ENV = "DPSERVE_CPU_MASK"
 HOLD_PAUSE_ENV = "DPSERVE_TEST_HOLD_PAUSE_S"
 
 
@@ -63,6 +65,11 @@ def _enforce_eager_from_env() -> bool:
     return os.environ.get(ENFORCE_EAGER_ENV, "") not in ("", "0")
 
 
+def cpu_mask_from_env() -> list[str]:
+    """The patterns of CPU flags that cpu_paths.detect hides (CPU_MASK_ENV), e.g. ["avx512*", "amx*"]."""
+    return [p.strip() for p in os.environ.get(CPU_MASK_ENV, "").replace(" ", ",").split(",") if p.strip()]
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL  # "smollm2", "smollm2-moe[:E]" (upcycled), a .gguf file, or a HF directory
@@ -82,11 +89,10 @@ class EngineConfig:
     # output depend on the batch; docs/benchmarks.md); "float32" everywhere.
     dtype: str = "auto"
     # How a GGUF's Q4_1 linear weights run on CPU (cpu_paths.py): "int4" torch's int4 kernel (bf16 activations),
-    # bf16 hi+lo prefill copies and an int8/bf16 LM head rescored in fp32 (for CPUs with bf16 in hardware); "q4"
+    # bf16 hi+lo prefill copies and an int8/bf16 LM head rescored in fp32 (opt-in: not exact, cpu_paths.py); "q4"
     # the engine's grouped kernels with fp32 activations, fp32 prefill copies and the Q8_0 head in the grouped
-    # kernel (for CPUs that emulate bf16); "q4q8" as "q4" with decode rows and the head on int8 activations
-    # (only when asked for: not fp32's greedy tokens); "auto" (default): chosen for the CPU (int4 or q4), GGUF on
-    # CPU only, else none.
+    # kernel; "q4q8" as "q4" with decode rows and the head on int8 activations (only when asked for: not fp32's
+    # greedy tokens); "auto" (default): q4 on every CPU kind, GGUF on CPU only, else none.
     # None / "none": dequantized weights in `dtype`.
     quantization: str | None = "auto"
     # False: compile the decode step at start-up on CPU (compiled.py); True: eager PyTorch only (vLLM's
