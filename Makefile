@@ -35,8 +35,11 @@ system-deps:
 	  else echo "note: install docker-compose, iproute2 and chromium for the deploy, multi-host and browser tests"; fi; \
 	fi
 
+# Two workers, each taking whole files (module- and session-scoped deployments stay shared within a worker): the
+# suite mostly waits on processes, so two at a time on 2 cores finish in ~70 % of the time (tests/README.md).
+TEST_WORKERS ?= 2
 test: install system-deps
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

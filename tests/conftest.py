@@ -38,6 +38,11 @@ os.environ.setdefault("DPSERVE_ENFORCE_EAGER", "1")
 # environment, so that `dpserve serve`, services started by hand, in-process services (their settings' default)
 # and the tests' own peers (ZmqSecurity.from_environment()) all hold it. Subprocesses inherit it.
 os.environ.setdefault("DPSERVE_CLUSTER_KEY", os.urandom(32).hex())
+# `make test` runs two workers (pytest-xdist) on 2 cores: an OpenMP thread that spins while it waits takes the core
+# the other worker's processes need (the model tests ran ~10 x longer beside another worker). Subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The threads an in-process model test gives torch: the cores shared by the workers running beside it.
+TORCH_THREADS = max(1, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 VENV_BIN = os.path.dirname(sys.executable)
 DPSERVE = os.path.join(VENV_BIN, "dpserve")
@@ -84,6 +89,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): with its pid, what tells it from a later process that
+    got the same pid once it ended (pids are reused; another test's process may hold it now)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 @dataclasses.dataclass
 class ServeProcess:
     """A running `dpserve serve` and what is needed to check it left nothing behind."""
@@ -96,6 +111,7 @@ class ServeProcess:
     log_path: str
     ray_temp_dir: str | None
     seen: dict[int, str] = dataclasses.field(default_factory=dict)  # every descendant ever observed
+    started: dict[int, int | None] = dataclasses.field(default_factory=dict)  # ...and when it started
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -103,6 +119,7 @@ class ServeProcess:
 
     def record_descendants(self) -> dict[int, str]:
         now = descendants(self.proc.pid)
+        self.started.update({pid: _start_time(pid) for pid in now})
         self.seen.update(now)
         return now
 
@@ -115,7 +132,8 @@ class ServeProcess:
     def stray_processes(self) -> dict[int, str]:
         """Processes this server started that are still alive: by ancestry or by its unique addresses/dirs."""
         table = _proc_table()
-        stray = {pid: cmd for pid, cmd in self.seen.items() if pid in table and _alive(pid)}
+        stray = {pid: cmd for pid, cmd in self.seen.items()
+                 if pid in table and _alive(pid) and _start_time(pid) == self.started.get(pid)}  # fmt: skip
         for pid, (_, cmdline) in table.items():
             if pid != os.getpid() and any(m in cmdline for m in self.markers()) and _alive(pid):
                 stray[pid] = cmdline

@@ -73,8 +73,9 @@ class _Rates:
     prompt_tokens_per_s: float = 0.0
 
 
-def _delta(new: float, old: float) -> float:
-    return max(0.0, new - old)  # a restarted engine or frontend starts its counters again
+def counter_delta(new: float, old: float) -> float:
+    """A cumulative counter's increase, never negative: a restarted engine or frontend starts its counters again."""
+    return max(0.0, new - old)
 
 
 class StatusTracker:
@@ -107,19 +108,19 @@ class StatusTracker:
             if before is None or before.engine_id != engine_id or dt is None:
                 continue
             span = max(now_s - before.at_s, 1e-6)
-            rates[rank] = _Rates(_delta(load.generation_tokens, before.generation_tokens) / span,
-                                 _delta(load.prompt_tokens, before.prompt_tokens) / span)  # fmt: skip
+            rates[rank] = _Rates(counter_delta(load.generation_tokens, before.generation_tokens) / span,
+                                 counter_delta(load.prompt_tokens, before.prompt_tokens) / span)  # fmt: skip
         self._rank_rates = rates
         finished = ttft_sum = tpot_sum = 0.0
         ttft_count = tpot_count = 0
         for stats in inputs.frontends:
             before = self._frontends.get(stats.frontend_id)
             if before is not None and dt is not None:
-                finished += _delta(stats.requests_finished, before.requests_finished)
-                ttft_sum += _delta(stats.ttft_sum_s, before.ttft_sum_s)
-                ttft_count += int(_delta(stats.ttft_count, before.ttft_count))
-                tpot_sum += _delta(stats.tpot_sum_s, before.tpot_sum_s)
-                tpot_count += int(_delta(stats.tpot_count, before.tpot_count))
+                finished += counter_delta(stats.requests_finished, before.requests_finished)
+                ttft_sum += counter_delta(stats.ttft_sum_s, before.ttft_sum_s)
+                ttft_count += int(counter_delta(stats.ttft_count, before.ttft_count))
+                tpot_sum += counter_delta(stats.tpot_sum_s, before.tpot_sum_s)
+                tpot_count += int(counter_delta(stats.tpot_count, before.tpot_count))
         self._frontends = {s.frontend_id: s for s in inputs.frontends}
         if dt is None:
             return

@@ -47,10 +47,11 @@ def ray_cluster():
 
 def _kill_cluster(temp_dir: str, gcs_port: str) -> None:
     """Every process of our cluster: those naming its temp dir or GCS port, and all their descendants."""
+    port = re.compile(re.escape(gcs_port) + r"(?!\d)")  # a whole number: ":2800" is not another cluster's ":28003"
     roots = [
         pid
         for pid, (_, cmd) in _proc_table().items()
-        if (temp_dir in cmd or ("ray" in cmd and f"--address=" in cmd and gcs_port in cmd)) and pid != os.getpid()
+        if (temp_dir in cmd or ("ray" in cmd and "--address=" in cmd and port.search(cmd))) and pid != os.getpid()
     ]
     pids = set(roots)
     for pid in roots:

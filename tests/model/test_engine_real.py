@@ -12,6 +12,7 @@ from dpserve_engine.core import EngineCore, load_model
 from dpserve_engine.model import Precision
 from dpserve_engine.model_info import load_model_info
 from dpserve_engine.settings import EngineConfig
+from tests.conftest import TORCH_THREADS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -29,7 +30,7 @@ def core():
     """The production path `auto` chooses for this machine's CPU (cpu_paths.py: q4 on every kind). Under
     test_emulated_kinds.py this module runs again in a process that detects a lesser kind
     (DPSERVE_TEST_EMULATED_KIND): the path, the kernels' ISA and the libraries' caps are that kind's."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(TORCH_THREADS)
     core = EngineCore(EngineConfig())
     paths = core.runner.model.kernel_paths
     assert paths.path == "q4" and paths.exact
@@ -146,7 +147,7 @@ def test_dequantized_fp32_answers_the_capital_of_france(chat):
 def compiled_core():
     """The default engine outside the test suite: the decode step compiled (compiled.py). A cold inductor cache
     costs ~2 minutes here; later runs reuse <cache_dir>/inductor."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(TORCH_THREADS)
     return EngineCore(EngineConfig(enforce_eager=False, max_num_seqs=16))
 
 

@@ -14,6 +14,7 @@ from dpserve_engine.loader import load_weights
 from dpserve_engine.model_info import load_model_info
 from dpserve_engine.moe import expert_range
 from dpserve_engine.settings import EngineConfig
+from tests.conftest import TORCH_THREADS
 from tests.unit._expert_comm import ThreadComm, ThreadGroup, prefill, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -54,7 +55,7 @@ def generate(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int = 
 
 @pytest.fixture(scope="module")
 def dense(prompts):
-    torch.set_num_threads(2)
+    torch.set_num_threads(TORCH_THREADS)
     return generate(EngineCore(fp32("smollm2")), prompts)
 
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from dpserve_shared.schema import ModelInfo
-from dpserve_shared.status import StatusInputs, StatusTracker
+from dpserve_shared.status import StatusInputs, StatusTracker, counter_delta
 from dpserve_shared.status_http import StatusRoutes
 
 from dpserve_frontend import api_admin, api_chat, api_completions, api_misc
@@ -187,10 +187,11 @@ async def _log_stats(state: FrontendState, interval_s: float) -> None:
                 continue
             then, old = before
             dt = max(now - then, 1e-6)
-            prompt_tps = (load.prompt_tokens - old.prompt_tokens) / dt
-            gen_tps = (load.generation_tokens - old.generation_tokens) / dt
-            queries = load.prefix_queries - old.prefix_queries
-            hit_rate = 100.0 * (load.prefix_hits - old.prefix_hits) / queries if queries > 0 else 0.0
+            prompt_tps = counter_delta(load.prompt_tokens, old.prompt_tokens) / dt  # (a replaced rank starts at 0)
+            gen_tps = counter_delta(load.generation_tokens, old.generation_tokens) / dt
+            queries = counter_delta(load.prefix_queries, old.prefix_queries)
+            hits = counter_delta(load.prefix_hits, old.prefix_hits)
+            hit_rate = 100.0 * hits / queries if queries > 0 else 0.0
             if not (prompt_tps or gen_tps or load.num_running or load.num_waiting):
                 continue
             kv = 100.0 * load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
