@@ -57,6 +57,35 @@ class Hosts:
             _ip("-n", name, "addr", "add", f"{ip}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
 
+    def stop_processes(self, grace_s: float = 10.0) -> list[int]:
+        """SIGTERM every process inside the host namespaces (`ip netns pids`), SIGKILL what is left after
+        `grace_s`; returns the pids that had to be killed. Only these namespaces' processes: `ray stop` would
+        also stop every other Ray instance on the machine (another test worker's)."""
+        import os
+        import signal
+        import time
+
+        def pids() -> set[int]:
+            found = set()
+            for name in self.names:
+                out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30)
+                found.update(int(p) for p in out.stdout.split() if p.isdigit())
+            return found
+
+        def signal_all(targets, sig) -> None:
+            for pid in targets:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+        signal_all(pids(), signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while (left := pids()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        signal_all(left, signal.SIGKILL)
+        return sorted(left)
+
     def destroy(self) -> None:
         for name in [*self.names, self.switch]:
             # Deleting a namespace does not kill processes in it; callers stop theirs first.

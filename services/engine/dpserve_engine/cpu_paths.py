@@ -29,9 +29,9 @@ greedy tokens equal to the fp32 model's on the test prompts. That is "q4" on eve
 
 "int4" was `auto`'s choice on CPUs with bf16 in hardware until issue #35: its decode rows round activations to bf16
 while its prefill rows do not, so a migrated stream's continuation (a prefill) and a prompt batched with others can
-take another token where the top two are within bf16's rounding; measured on AVX-512 without BF16 (5 migrated
-streams and 2 batch checks failed), and seen to pass on Sapphire Rapids only by the test prompts' luck. "q4q8"
-never keeps fp32's tokens.
+take another token where the top two are within bf16's rounding: measured on AVX-512 without BF16 (5 migrated
+streams and 2 batch checks failed) and on AVX512-BF16 without AMX (2 of 5 migrated-stream checks failed); the
+tests passed on Sapphire Rapids, where the same rounding is at work. "q4q8" never keeps fp32's tokens.
 """
 
 from __future__ import annotations
