@@ -19,6 +19,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import socket
 import threading
 import time
 import urllib.parse
@@ -385,14 +386,7 @@ class Fuzzer:
         return _judge(probe, response.status, response.content_type, body)
 
     async def _send_raw(self, probe: Probe) -> str:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
-        try:
-            writer.write(probe.raw)
-            data = await _read_until_closed(reader, CLIENT_TIMEOUT_S)
-        except ConnectionResetError:  # closed with our garbage unread: the kernel resets rather than closes
-            data = b""
-        finally:
-            writer.close()
+        data, _reset = await _exchange(self.host, self.port, probe.raw, None)  # a reset: closed, our garbage unread
         if not data:
             self.statuses["closed"] += 1
             return ""
@@ -401,15 +395,9 @@ class Fuzzer:
         return f"HTTP {status} to raw bytes: {data[:300]!r}" if status is None or status >= 500 else ""
 
     async def _trickle(self, probe: Probe) -> str:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
-        writer.write(probe.raw)
-        trickle = asyncio.create_task(_write_slowly(writer, probe.trickle))
-        try:
-            data = await _read_until_closed(reader, CLIENT_TIMEOUT_S)
-        finally:
-            trickle.cancel()
-            await asyncio.gather(trickle, return_exceptions=True)
-            writer.close()
+        # The server closes on a client still sending: its last trickled bytes unread, the kernel resets rather than
+        # closes. That is the server giving up on us too; what it answered before is judged as it is.
+        data, _reset = await _exchange(self.host, self.port, probe.raw, probe.trickle)
         self.statuses[f"slow-{probe.expect}"] += 1
         if probe.expect == "close":
             return "" if data == b"" else f"a trickled head was answered: {data[:200]!r}"
@@ -419,25 +407,50 @@ class Fuzzer:
         return _error_object_problem(body, 408)
 
 
-
 async def _chunks(data: bytes):
     for start in range(0, len(data), 8192):
         yield data[start:start + 8192]
 
 
-async def _read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
-    data = b""
-    async with asyncio.timeout(timeout_s):
-        while chunk := await reader.read(65536):
-            data += chunk
-    return data
+async def _exchange(host: str, port: int, raw: bytes, trickle: bytes | None) -> tuple[bytes, bool]:
+    """Sends `raw` on a plain socket, then `trickle` a byte every 0.2 s if given, and reads until the server closes;
+    returns what it sent and whether it ended with a reset. A plain socket, not asyncio's streams: a StreamReader
+    raises a reset before handing out the bytes that came ahead of it, and those bytes are the answer."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    data, reset = b"", False
+    writer = None
+    try:
+        await loop.sock_connect(sock, (host, port))
+        try:
+            await loop.sock_sendall(sock, raw)
+        except (BrokenPipeError, ConnectionResetError):  # answered and closed before all of it was sent
+            trickle = None
+        if trickle is not None:
+            writer = asyncio.create_task(_write_slowly(loop, sock, trickle))
+        async with asyncio.timeout(CLIENT_TIMEOUT_S):
+            while True:
+                try:
+                    chunk = await loop.sock_recv(sock, 65536)
+                except ConnectionResetError:
+                    reset = True
+                    break
+                if not chunk:
+                    break
+                data += chunk
+    finally:
+        if writer is not None:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+        sock.close()
+    return data, reset
 
 
-async def _write_slowly(writer: asyncio.StreamWriter, byte: bytes) -> None:
+async def _write_slowly(loop: asyncio.AbstractEventLoop, sock: socket.socket, byte: bytes) -> None:
     try:
         while True:
-            writer.write(byte)
-            await writer.drain()
+            await loop.sock_sendall(sock, byte)
             await asyncio.sleep(0.2)
     except (ConnectionError, OSError):
         return
