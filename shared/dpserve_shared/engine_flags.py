@@ -71,6 +71,11 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "with Retry-After (a moved request's continuation is exempt); default: no limit",
     ),
     EngineFlag(
+        "--grammar-compile-timeout-s", "positive_float",
+        "a structured-output request whose grammar has not compiled this long after it arrived is ended with an "
+        "error (it waits outside the queue meanwhile, holding up no other request)",
+    ),
+    EngineFlag(
         "--enable-expert-parallel", "switch",
         "expert parallelism across the data-parallel ranks (vLLM's flag): the ranks form one torch.distributed "
         "group and step in lock-step waves (a rank without requests runs dummy steps while any rank has work); "

@@ -66,6 +66,9 @@ class SamplingParams(_Part):
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per sampled token (0 = only the sampled one)
     prompt_logprobs: int | None = None  # same, for every prompt token but the first
+    # A structured-output constraint: an llguidance grammar (the JSON text llguidance.LLMatcher.grammar_from_*
+    # returns), which the frontend built and validated against the model's tokenizer; None: unconstrained.
+    grammar: str | None = None
 
 
 class ModelInfo(_Part):

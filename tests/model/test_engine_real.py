@@ -1,11 +1,15 @@
 """EngineCore on the real SmolLM2-135M (bundled GGUF): correct answers, batching invariance, precision."""
 
+import json
 import os
 
 import jinja2.sandbox
+import jsonschema
+import llguidance
+import msgspec
 import pytest
 import torch
-from dpserve_shared.schema import EngineRequest, SamplingParams
+from dpserve_shared.schema import EngineRequest, FinishReason, SamplingParams
 from tokenizers import Tokenizer
 
 from dpserve_engine.core import EngineCore, load_model
@@ -134,6 +138,56 @@ def test_a_continuation_goes_on_with_the_tokens_the_stream_would_have_had(core, 
     for cid, tokens in went_on.items():
         rid, k = cid.split("@")
         assert tokens == full[rid][int(k):], cid
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_is_valid_and_the_same_alone_in_a_mixed_batch_and_continued(core, chat):
+    """Structured outputs (grammar.py): a greedy and a seeded (temperature 1) request under a JSON schema give JSON
+    valid for it, and the same tokens alone, in a batch with other constrained and unconstrained requests (whose
+    rows the masks leave alone), and continued after k tokens on a rank that never saw them."""
+    g = llguidance.LLMatcher.grammar_from_json_schema(PERSON)
+    digits, broken = (llguidance.LLMatcher.grammar_from_regex(r) for r in ("[0-9]{2,6}", "(["))
+    prompt = chat("Describe a person named Alice who is 30 years old, as JSON.")
+    # the batch finds its blocks cached; a prompt filling its last block would run its last token as a decode row,
+    # which may swap near ties (test_a_fully_cached_prompt_gives_the_tokens_it_gave_uncached)
+    assert len(prompt) % core.block_size
+    targets = {"greedy": SamplingParams(temperature=0.0, max_tokens=64, grammar=g),
+               "seeded": SamplingParams(temperature=1.0, seed=7, max_tokens=64, grammar=g)}  # fmt: skip
+    alone = {rid: run(core, {rid: EngineRequest(rid, prompt, p)})[rid] for rid, p in targets.items()}
+    for tokens in alone.values():
+        jsonschema.validate(json.loads(chat.decode(tokens)), PERSON)
+    others = {
+        "plain": (chat(PROMPTS[0]), SamplingParams(temperature=0.0, max_tokens=16)),
+        "plain-seeded": (chat(PROMPTS[1]), SamplingParams(temperature=0.8, seed=3, max_tokens=16)),
+        "plain-top-p": (chat(PROMPTS[2]), SamplingParams(top_p=0.9, max_tokens=16)),
+        "json": (chat("Describe Bob, who is 41, as JSON."), SamplingParams(temperature=0.0, max_tokens=48, grammar=g)),
+        "digits": (chat("Pick a number."), SamplingParams(seed=5, max_tokens=8, grammar=digits)),
+        "broken": (chat(PROMPTS[3]), SamplingParams(max_tokens=8, grammar=broken)),
+    }  # fmt: skip
+    batch = {rid: EngineRequest(rid, prompt, p) for rid, p in targets.items()}
+    batch.update((rid, EngineRequest(rid, ids, p)) for rid, (ids, p) in others.items())
+    for request in batch.values():
+        core.add_request(request)
+    outputs = [o for _ in range(200) if core.has_unfinished() for o in core.step()]
+    together = {rid: [t for o in outputs if o.request_id == rid for t in o.new_token_ids] for rid in batch}
+    assert {rid: together[rid] for rid in targets} == alone
+    assert together["plain"] == generate(core, {"x": others["plain"][0]}, 16)["x"]
+    jsonschema.validate(json.loads(chat.decode(together["json"])), PERSON)
+    assert [o.finish_reason for o in outputs if o.request_id == "broken"] == [FinishReason.ERROR]
+    fresh = EngineCore.from_model(EngineConfig(enable_prefix_caching=False, num_kv_blocks=256), core.runner.model,
+                                  core.model_info)  # fmt: skip
+    k = 5
+    continued = {rid: msgspec.structs.replace(p, max_tokens=64 - k) for rid, p in targets.items()}
+    went_on = run(fresh, {rid: EngineRequest(rid, prompt + alone[rid][:k], p, num_generated=k)
+                          for rid, p in continued.items()})  # fmt: skip
+    assert went_on == {rid: tokens[k:] for rid, tokens in alone.items()}
 
 
 def test_dequantized_fp32_answers_the_capital_of_france(chat):

@@ -97,10 +97,10 @@ def test_engine_flags_reach_the_engine_and_unset_ones_keep_its_defaults():
         return service.config_from_args(service.build_parser().parse_args(["--coordinator", "tcp://h:1", *argv]))
 
     args = serve_args("--enforce-eager", "--quantization", "none", "--max-num-seqs", "8", "--model", "m.gguf",
-                      "--max-queue-time-s", "3")  # fmt: skip
+                      "--max-queue-time-s", "3", "--grammar-compile-timeout-s", "2.5")  # fmt: skip
     config = engine_config(*engine_argv(args))
     assert (config.enforce_eager, config.quantization, config.max_num_seqs, config.model) == (True, "none", 8, "m.gguf")
-    assert config.max_queue_time_s == 3.0
+    assert (config.max_queue_time_s, config.grammar_compile_timeout_s) == (3.0, 2.5)
     assert engine_config(*engine_argv(serve_args())) == engine_config() == EngineConfig()
 
 

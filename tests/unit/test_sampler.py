@@ -10,7 +10,7 @@ pytestmark = pytest.mark.timeout(30)
 V = 50
 
 
-def tensors(params: list[SamplingParams], generators=(), banned=None):
+def tensors(params: list[SamplingParams], generators=(), banned=None, disallowed=None):
     greedy = [p.temperature <= 1e-5 for p in params]
     ks = [p.top_k if 0 < p.top_k < V else V for p in params]
     requested = [p.logprobs for p in params if p.logprobs is not None]
@@ -20,6 +20,7 @@ def tensors(params: list[SamplingParams], generators=(), banned=None):
         top_k=torch.tensor(ks) if any(k < V for k in ks) else None,
         top_p=torch.tensor([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
         min_p=torch.tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
+        disallowed=disallowed,
         banned=banned,
         generators=list(generators),
         all_greedy=all(greedy),
@@ -106,3 +107,19 @@ def test_logprobs_from_raw_distribution():
     assert out.top_ids.shape == (3, 4) and out.top_logprobs.shape == (3, 4)
     assert torch.allclose(out.logprobs, raw.max(-1).values) and out.ranks.tolist() == [1, 1, 1]
     assert out.top_ids[:, 0].tolist() == out.token_ids.tolist()
+
+
+def test_a_grammar_mask_limits_greedy_and_filtered_rows_only_and_logprobs_stay_raw():
+    """Row 0 greedy, row 1 top-k 3, both masked to the tokens 5 and 9; row 2 unmasked (its argmax stays). Logprobs
+    are the raw distribution's: the masked argmax ranks below the raw best."""
+    x = logits(3)
+    disallowed = torch.ones(3, V, dtype=torch.bool)
+    disallowed[:2, [5, 9]] = False
+    disallowed[2] = False
+    params = [SamplingParams(temperature=0, logprobs=1), SamplingParams(top_k=3), SamplingParams(temperature=0)]
+    out = sample(x.clone(), tensors(params, disallowed=disallowed))
+    assert out.token_ids[0] == (5 if x[0, 5] > x[0, 9] else 9) and out.token_ids[1] in (5, 9)
+    assert out.token_ids[2] == x[2].argmax()
+    raw = x[0].log_softmax(-1)
+    chosen = out.token_ids[0]
+    assert torch.isclose(out.logprobs[0], raw[chosen]) and out.ranks[0] == (raw > raw[chosen]).sum() + 1

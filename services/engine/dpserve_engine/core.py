@@ -24,6 +24,7 @@ from dpserve_shared.schema import CpuChoice, EngineLoad, EngineRequest, FinishRe
 from dpserve_shared.timing import MAX_LOGPROBS
 
 from dpserve_engine.block_manager import BlockManager
+from dpserve_engine.grammar import GrammarCompiler, PendingGrammars
 from dpserve_engine.interface import EngineCoreBase, InvalidRequest, queue_timeout_output
 from dpserve_engine.model import Precision, Transformer, build_model
 from dpserve_engine.model_info import load_model_info
@@ -73,6 +74,9 @@ class EngineCore(EngineCoreBase):
             self.runner.populate_kv_cache()
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
+        # structured outputs: sequences whose grammar compiles, outside the scheduler until it has (grammar.py)
+        compiler = GrammarCompiler(model_info.tokenizer_json, model.args.vocab_size, model_info.eos_token_ids)
+        self.grammars: PendingGrammars[Sequence] = PendingGrammars(compiler, config.grammar_compile_timeout_s)
         self.num_arrivals = 0
         self.num_steps = 0
         self.num_prompt_tokens = 0  # computed (prefilled) prompt tokens, cumulative
@@ -101,7 +105,10 @@ class EngineCore(EngineCoreBase):
         seq.arrival_s = time.monotonic()
         self.num_arrivals += 1
         self.requests[request.request_id] = seq
-        self.scheduler.add(seq)
+        if request.sampling.grammar is None:
+            self.scheduler.add(seq)
+        else:
+            self.grammars.add(request, seq)
 
     def _validate(self, request: EngineRequest) -> None:
         prompt, params = request.prompt_token_ids, request.sampling
@@ -133,12 +140,15 @@ class EngineCore(EngineCoreBase):
             raise InvalidRequest(
                 f"prompt + max_tokens needs {blocks_needed} KV blocks; this engine has {self.kv_blocks_total}"
             )
+        if params.grammar is not None:
+            self.grammars.check(params)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         outputs = []
         for request_id in request_ids:
             seq = self.requests.pop(request_id, None)
             if seq is not None:
+                self.grammars.drop(request_id)
                 self.scheduler.finish(seq)
                 outputs.append(RequestOutput(request_id, finish_reason=FinishReason.ABORT))
         return outputs
@@ -149,7 +159,7 @@ class EngineCore(EngineCoreBase):
         return self.runner.device
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or len(self.grammars) > 0
 
     def start_kv_events(self) -> None:
         if self.config.enable_prefix_caching:
@@ -228,17 +238,31 @@ class EngineCore(EngineCoreBase):
 
     def step(self) -> list[RequestOutput]:
         self._check_experts_held()
+        failed = self._admit_compiled() if len(self.grammars) else []
         expired = self._expire_queued() if self.config.max_queue_time_s is not None else []
         batch = self.scheduler.schedule()
         if not batch:
             if self.expert_comm is not None:  # lock-step: the other ranks' MoE layers wait for this one's rows
                 self.dummy_step()
-            return expired
+            return failed + expired
         started = time.perf_counter()
         result = self.runner.run(batch)
         num_decode_tokens = batch.num_decodes
         self.rates.record(sum(batch.num_tokens) - num_decode_tokens, num_decode_tokens, time.perf_counter() - started)
-        return expired + self._postprocess(batch, result)
+        return failed + expired + self._postprocess(batch, result)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Sequences whose grammar compiled join the scheduler's queue; the failed ones end (their outputs). With
+        nothing else to run, wait a little for a compile first: the service steps without pause meanwhile."""
+        if not self.scheduler.has_unfinished():
+            self.grammars.wait()
+        ready, failed = self.grammars.take_done()
+        for seq, matcher in ready:
+            seq.matcher = matcher
+            self.scheduler.add(seq)
+        for output in failed:
+            del self.requests[output.request_id]
+        return failed
 
     def _expire_queued(self) -> list[RequestOutput]:
         """--max-queue-time-s: end the requests that waited longer than that without being scheduled."""
@@ -278,6 +302,8 @@ class EngineCore(EngineCoreBase):
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, token_id
             elif token_id in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = FinishReason.STOP
+        if seq.finish_reason is None and seq.matcher is not None:
+            seq.finish_reason = seq.matcher.consume(token_id)  # STOP once the grammar is complete
         if seq.finish_reason is None and (
             seq.num_output_tokens >= params.max_tokens or len(seq) >= self.model_info.max_model_len
         ):
@@ -294,6 +320,8 @@ class EngineCore(EngineCoreBase):
             seq.finish_reason,
             seq.stop_reason,
         )
+        if seq.finish_reason == FinishReason.ERROR:  # only a grammar ends a running sequence so
+            output.error = seq.matcher.error
         if seq.is_first_output:
             seq.is_first_output = False
             output.num_cached_tokens = seq.num_cached_tokens
@@ -304,7 +332,7 @@ class EngineCore(EngineCoreBase):
         return output
 
     def load(self) -> EngineLoad:
-        waiting = self.scheduler.waiting
+        waiting = [*self.scheduler.waiting, *self.grammars]
         return EngineLoad(
             rank=0,
             num_waiting=len(waiting),

@@ -23,6 +23,7 @@ import torch
 from dpserve_shared.schema import TokenLogprob
 from torch import Tensor
 
+from dpserve_engine.grammar import disallowed_tokens
 from dpserve_engine.progress import INTERVAL_S, Ticker
 from dpserve_engine.model import AttentionMetadata, DecodeInputs, PrefillChunk, Transformer
 from dpserve_engine.sampler import SamplerOutput, SamplingTensors, sample
@@ -296,12 +297,15 @@ class ModelRunner:
                 banned_rows += [row] * len(ids)
                 banned_ids += ids
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        constrained = [(row, s.matcher) for row, s in enumerate(seqs) if s.matcher is not None]
+        disallowed = disallowed_tokens(constrained, len(seqs), vocab) if constrained else None  # structured outputs
         return SamplingTensors(
             temperature=torch.tensor(temperatures, device=dev) if any(x != 1.0 for x in temperatures) else None,
             is_greedy=torch.tensor(is_greedy, device=dev),
             top_k=torch.tensor(top_ks, device=dev) if any(k < vocab for k in top_ks) else None,
             top_p=torch.tensor([p.top_p for p in params], device=dev) if any(p.top_p < 1 for p in params) else None,
             min_p=torch.tensor([p.min_p for p in params], device=dev) if any(p.min_p > 0 for p in params) else None,
+            disallowed=torch.from_numpy(disallowed).to(dev) if disallowed is not None else None,
             banned=(torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev)) if banned_rows else None,
             generators=[(r, s.generator) for r, (s, g) in enumerate(zip(seqs, is_greedy)) if s.generator and not g],
             all_greedy=all(is_greedy),

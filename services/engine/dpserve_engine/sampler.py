@@ -5,7 +5,9 @@ sample by inverse CDF: one uniform number per row, located in the row's cumulati
 A seeded request draws its number from its own torch.Generator, so its tokens depend only on its seed and its
 logits, never on which other requests share the batch. (One number per row, not one per vocabulary entry as
 the exponential race needs: drawing [64, 49152] exponentials costs ~150 ms per step on this CPU.)
-Logprobs come from the raw model distribution (before temperature and filters).
+A structured-output row's grammar mask (grammar.py) comes first: its forbidden tokens are -inf before the banned
+ids, the greedy argmax and the filters, so top-k/top-p/min-p choose among the allowed tokens only.
+Logprobs come from the raw model distribution (before the grammar mask, temperature and filters).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class SamplingTensors:
     top_k: Tensor | None  # [N] long, vocab size where disabled; None when no row uses it
     top_p: Tensor | None  # [N]; None when no row uses it
     min_p: Tensor | None  # [N]; None when no row uses it
+    disallowed: Tensor | None  # [N, V] bool: the tokens the rows' grammars forbid; None when no row has one
     banned: tuple[Tensor, Tensor] | None  # (rows, token ids) set to -inf: EOS/stop ids before min_tokens
     generators: list[tuple[int, torch.Generator]]  # (row, generator) of seeded random rows
     all_greedy: bool
@@ -91,6 +94,8 @@ def sample_from(weights: Tensor, t: SamplingTensors, chunk: int = 256) -> Tensor
 def sample(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits: [N, V] raw fp32 model logits (consumed: modified in place) -> one token per row (+ logprobs)."""
     raw = logits.clone() if t.num_logprobs is not None else None  # logprobs: the unfiltered distribution
+    if t.disallowed is not None:
+        logits.masked_fill_(t.disallowed, float("-inf"))
     if t.banned is not None:
         logits.index_put_(t.banned, torch.tensor(float("-inf"), device=logits.device))
     greedy_ids = logits.argmax(dim=-1) if t.any_greedy else None

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 from dpserve_shared.schema import FinishReason, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from dpserve_engine.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +52,7 @@ class Sequence:
         # Prompt logprobs need every prompt position computed here, so such requests skip the prefix cache.
         self.wants_prompt_logprobs = params.prompt_logprobs is not None
         self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if self.wants_prompt_logprobs else None
+        self.matcher: GrammarMatcher | None = None  # params.grammar's, once compiled (grammar.py)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -108,6 +108,9 @@ class EngineConfig:
     # A request that waited this long in the queue without being scheduled is ended (ERROR, retry_reason
     # "queue_time": the frontend answers 503 + Retry-After); None: no limit. Continuations are exempt.
     max_queue_time_s: float | None = None
+    # A structured-output request whose grammar (llguidance, grammar.py) is still compiling this long after it
+    # arrived is ended (ERROR); it waits outside the scheduler's queue meanwhile.
+    grammar_compile_timeout_s: float = 10.0
     # MoE experts sharded over the DP ranks, which then step in lock-step waves (lockstep.py, expert_parallel.py)
     enable_expert_parallel: bool = False
     null_engine: bool = False  # no model: emit tokens on a fixed step time (benchmarks, simulation)
