@@ -42,8 +42,10 @@ from dpserve_frontend.settings import (
     add_routing_flag,
     add_shutdown_timeout_flag,
     add_http_limit_flags,
+    add_structured_output_flags,
     http_limit_argv,
     read_chat_template,
+    structured_output_argv,
 )
 from dpserve_shared.engine_flags import add_engine_flags, engine_argv
 from dpserve_shared.status import API_KEY_ENV
@@ -73,6 +75,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file (or the template itself) replacing the model's own "
                              "(default: the model's)")
+    add_structured_output_flags(parser)
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="answer unknown request fields with a 400, as OpenAI does (default: ignore them and "
                              "name them once in the log, as vLLM does)")
@@ -181,6 +184,7 @@ def frontend_command(args: argparse.Namespace, ready_file: str | None = None, de
     cmd += http_limit_argv(args)
     if args.chat_template:
         cmd += ["--chat-template", args.chat_template]
+    cmd += structured_output_argv(args)
     if args.max_num_queued_requests is not None:
         cmd += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
     if args.max_num_queued_tokens is not None:

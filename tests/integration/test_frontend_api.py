@@ -96,8 +96,13 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model",
      "does not exist"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
-     "not supported"),
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "tool_choice.function.name", "not one of the tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                  "type": "object", "not": {}}}}}, 400, "response_format.json_schema.schema",
+     "Unimplemented keys"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0.5}, 400,
      "frequency_penalty", "not supported"),
 ]

@@ -141,7 +141,7 @@ def test_chat_stream_and_non_stream(model_info, engines):
             status, full = await post_json(client, "/v1/chat/completions", {**body, **extras})
             assert status == 200, full
             (choice,) = full["choices"]
-            assert choice["message"] == {"role": "assistant", "content": '() loc", return\n\n   '}
+            assert choice["message"] == {"role": "assistant", "content": '() loc", return\n\n   ', "refusal": None}
             _, tokenized = await post_json(client, "/tokenize", {"messages": messages})
             assert full["usage"]["prompt_tokens"] == tokenized["count"]
             response = await post(client, "/v1/chat/completions",

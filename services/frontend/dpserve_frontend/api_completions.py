@@ -18,6 +18,7 @@ from dpserve_frontend.responses import ResponseView, respond, usage
 from dpserve_frontend.spec import PromptInput, build_spec
 from dpserve_frontend.sse import sse_event
 from dpserve_frontend.state import FrontendState
+from dpserve_frontend.structured import request_constraint
 from dpserve_frontend.tokenizer import ModelTokenizer
 
 
@@ -116,7 +117,9 @@ async def create_completion(request: web.Request, state: FrontendState) -> web.S
     rank = pinned_rank(request)
     info, tok = state.require_model(req.model)
     check_completion_request(req, tok.vocab_size)
-    spec = build_spec(req, read_prompts(req, tok), info.max_model_len, rank)
+    prompts = read_prompts(req, tok)
+    grammar = await state.grammars.grammar(req, request_constraint(req, state.grammars.json_options(req)))
+    spec = build_spec(req, prompts, info.max_model_len, rank, grammar)
     spec.session_id = session_id(request)
     generation = Generation(state.pool, tok, state.metrics, spec, new_request_id("cmpl"), arrival_s)
     completion = _Completion(req, generation, tok, info.name)

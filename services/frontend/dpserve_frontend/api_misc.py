@@ -12,6 +12,7 @@ from dpserve_frontend.parsing import read_request
 from dpserve_frontend.protocol import DetokenizeRequest, TokenizeRequest, check_token_id, message_dicts
 from dpserve_frontend.responses import json_response
 from dpserve_frontend.state import FrontendState
+from dpserve_frontend.tools import template_tools
 
 
 def _version() -> str:
@@ -78,8 +79,9 @@ async def tokenize(request: web.Request, state: FrontendState) -> web.Response:
         raise BadRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
     if req.messages is not None:
         add_special = bool(req.add_special_tokens)
+        tools = template_tools(req.tools) if req.tools else None
         _, ids = tok.encode_chat(message_dicts(req.messages), req.add_generation_prompt,
-                                 req.continue_final_message, add_special, req.chat_template_kwargs)
+                                 req.continue_final_message, add_special, req.chat_template_kwargs, tools)
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = tok.encode(req.prompt, add_special_tokens=add_special)

@@ -164,6 +164,11 @@ async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[STATE_KEY].pool.close()
 
 
+async def _grammars_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    app[STATE_KEY].grammars.close()  # its threads: a compile still running finishes on its own
+
+
 async def _stats_log_ctx(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE_KEY]
     interval_s = state.settings.stats_interval_s
@@ -214,6 +219,7 @@ def init_app(settings: FrontendSettings, model_info: ModelInfo | None = None) ->
     app.cleanup_ctx.append(_coordinator_ctx)
     app.cleanup_ctx.append(_engines_ctx)  # closed before the coordinator link: aborts go out, then Unregister
     app.cleanup_ctx.append(_stats_log_ctx)
+    app.cleanup_ctx.append(_grammars_ctx)
     app.router.add_post("/v1/completions", _bind(api_completions.create_completion))
     app.router.add_post("/v1/chat/completions", _bind(api_chat.create_chat_completion))
     app.router.add_get("/v1/models", _bind(api_misc.list_models))

@@ -10,7 +10,7 @@ of the engine, their request types say it (`requested_max_tokens`, `engine_logpr
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -31,6 +31,38 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 class StreamOptions(_Request):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+# OpenAI's rule for the names of response formats and functions
+Name = Annotated[str, msgspec.Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class JsonSchemaFormat(_Request):
+    name: Name
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None  # the schema is enforced either way (as vLLM does)
+
+
+class ResponseFormat(_Request):
+    type: str  # text, json_object or json_schema (structured.py)
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: one constraint (json, regex, choice, grammar or json_object) and how its JSON
+    may be spaced."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None  # vLLM's; not supported: a 400, never dropped (the output would be unconstrained)
+    disable_any_whitespace: bool | None = None  # None: the server's --structured-output-whitespace
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # vLLM's: no other backend to fall back to here
 
 
 class SamplingFields(_Request):
@@ -66,6 +98,15 @@ class SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
     request_id: str | None = None
+    # structured outputs (structured.py): OpenAI's response_format, vLLM's structured_outputs and its older aliases
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the only backend
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The output length asked for, and the parameter that asked."""
@@ -105,12 +146,48 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON, as the server returned it
+
+
+class ToolCall(msgspec.Struct):
+    """A call in an assistant message's `tool_calls`; extra fields are tolerated."""
+
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
-    """A chat message; extra fields (e.g. `tool_calls: []`, `refusal`) are tolerated."""
+    """A chat message; extra fields (e.g. `refusal`) are tolerated."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's ("role": "tool")
+
+
+class FunctionDefinition(_Request):
+    name: Name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none: the function takes no arguments
+    strict: bool | None = None  # the parameters are enforced either way
+
+
+class Tool(_Request):
+    function: FunctionDefinition
+    type: str = "function"
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    function: ToolChoiceFunction
+    type: str = "function"
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -118,10 +195,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # tools.py
+    parallel_tool_calls: bool | None = None  # None: true
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -153,6 +229,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered as chat completions render them, so that the counts agree
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -238,16 +315,17 @@ def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
                              param="top_logprobs")
         if not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-    for name in ("tools", "functions", "audio", "prediction", "web_search_options"):
+    for name in ("audio", "prediction", "web_search_options"):
         if getattr(req, name):
             raise BadRequest(f"{name} is not supported by this server", param=name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name) not in (None, "none", "auto"):
-            raise BadRequest(f"{name} is not supported by this server", param=name)
+    if req.functions:
+        raise BadRequest("functions (deprecated by OpenAI) is not supported by this server; use tools",
+                         param="functions")
+    if req.function_call not in (None, "none", "auto"):
+        raise BadRequest("function_call (deprecated by OpenAI) is not supported by this server; use tool_choice",
+                         param="function_call")
     if req.modalities not in (None, [], ["text"]):
         raise BadRequest("only the 'text' modality is supported", param="modalities")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise BadRequest("only response_format {'type': 'text'} is supported", param="response_format")
 
 
 def check_output_fits(req: SamplingFields, prompt_len: int, max_model_len: int) -> int:
@@ -313,7 +391,8 @@ def prompt_inputs(prompt: Any) -> list[str | list[int]]:
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them: content flattened to text."""
+    """Messages as the chat template sees them: content flattened to text; an assistant's tool calls with their
+    arguments decoded (Hugging Face templates write them with `tojson`), a tool result's `tool_call_id`."""
     if not messages:
         raise BadRequest("messages must be a non-empty list", param="messages")
     out = []
@@ -335,5 +414,20 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         item: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = [_tool_call_dict(call, f"messages[{i}].tool_calls[{j}]")
+                                  for j, call in enumerate(message.tool_calls)]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
         out.append(item)
     return out
+
+
+def _tool_call_dict(call: ToolCall, param: str) -> dict[str, Any]:
+    try:
+        arguments = msgspec.json.decode(call.function.arguments)
+    except (msgspec.DecodeError, RecursionError):
+        raise BadRequest(f"{param}.function.arguments must be JSON (the arguments as the server returned them)",
+                         param=f"{param}.function.arguments") from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}

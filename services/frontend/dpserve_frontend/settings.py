@@ -37,6 +37,10 @@ class FrontendSettings:
     migration_limit: int = 3  # moves of one request to another rank after its rank died (engine_pool.py)
     ready_file: str | None = None  # written once this frontend follows the broadcasts and sees every rank serve
     chat_template: str | None = None  # --chat-template: replaces the model's own (the template's text)
+    # Structured outputs (structured.py): the limits on checking a request's grammar, and JSON's default spacing
+    structured_output_compile_timeout_s: float = 5.0
+    structured_output_max_bytes: int = 64 * 1024
+    is_json_whitespace_flexible: bool = False  # --structured-output-whitespace flexible
     # Admission control (router.py): per rank, what may wait in its queue; None = no cap
     max_num_queued_requests: int | None = None
     max_num_queued_tokens: int | None = None
@@ -104,6 +108,47 @@ def add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="a request whose body has not fully arrived this long after its head gets a 408 and "
                              "its connection is closed (default: %(default)s)")
+
+
+TOOL_CALL_PARSERS = ("hermes",)  # hermes.py
+WHITESPACE_CHOICES = ("compact", "flexible")
+
+
+def add_structured_output_flags(parser: argparse.ArgumentParser) -> None:
+    """Tool calling's format and the structured-output limits, for the frontend and for `dpserve serve`."""
+    defaults = FrontendSettings
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=TOOL_CALL_PARSERS[0],
+                        help="the format tools are called in, as vLLM's flag; hermes (the only one): "
+                             "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>, ChatML models' format. "
+                             "A chat template that does not render tools gets them in its system prompt in that "
+                             "format (default: %(default)s)")
+    parser.add_argument("--structured-output-compile-timeout", type=_positive_float, metavar="SECONDS",
+                        default=defaults.structured_output_compile_timeout_s,
+                        help="a request's constraint (response_format, structured_outputs, guided_*, tools) is "
+                             "compiled for the model's tokenizer before the request is routed; one that takes "
+                             "longer is answered 400 (default: %(default)s)")
+    parser.add_argument("--structured-output-max-bytes", type=_positive_int, metavar="BYTES",
+                        default=defaults.structured_output_max_bytes,
+                        help="a constraint whose grammar (the schema, regex, grammar or tools as llguidance "
+                             "takes them) is larger is answered 400 (default: %(default)s)")
+    parser.add_argument("--structured-output-whitespace", choices=WHITESPACE_CHOICES, default="compact",
+                        help="whitespace between the tokens of constrained JSON: compact allows none (a small model "
+                             "given the choice can pad its JSON with newlines until max_tokens), flexible allows "
+                             "any; a request's structured_outputs.disable_any_whitespace overrides it (default: "
+                             "%(default)s)")
+
+
+def structured_output_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of add_structured_output_flags that differ from their defaults, for a frontend's command line."""
+    defaults = FrontendSettings
+    argv = []  # (--tool-call-parser has one value)
+    if args.structured_output_compile_timeout != defaults.structured_output_compile_timeout_s:
+        argv += ["--structured-output-compile-timeout", repr(args.structured_output_compile_timeout)]
+    if args.structured_output_max_bytes != defaults.structured_output_max_bytes:
+        argv += ["--structured-output-max-bytes", str(args.structured_output_max_bytes)]
+    if args.structured_output_whitespace != "compact":
+        argv += ["--structured-output-whitespace", args.structured_output_whitespace]
+    return argv
 
 
 def http_limit_argv(args: argparse.Namespace) -> list[str]:
@@ -202,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file (or the template itself) replacing the model's own, as "
                              "vLLM's --chat-template (default: the model's)")
+    add_structured_output_flags(parser)
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="written once this frontend follows the coordinator's broadcasts and every expected "
                              "rank serves (used by dpserve serve)")
@@ -243,6 +289,9 @@ def settings_from_args(argv: list[str] | None = None) -> FrontendSettings:
         migration_limit=args.migration_limit,
         deployment_id=args.deployment_id,
         chat_template=chat_template,
+        structured_output_compile_timeout_s=args.structured_output_compile_timeout,
+        structured_output_max_bytes=args.structured_output_max_bytes,
+        is_json_whitespace_flexible=args.structured_output_whitespace == "flexible",
         max_request_body_bytes=args.max_request_body_bytes,
         request_header_timeout_s=args.request_header_timeout,
         request_body_timeout_s=args.request_body_timeout,

@@ -29,10 +29,10 @@ class GenerationSpec:
     session_id: str | None = None  # X-Session-Id: keep the conversation on one rank (router.py)
 
 
-def build_spec(req: SamplingFields, prompts: list[PromptInput], max_model_len: int,
-               pinned_rank: int | None) -> GenerationSpec:
-    """The spec of a request whose values `protocol.check_*_request` accepted; raises BadRequest when the output
-    does not fit next to the longest prompt."""
+def build_spec(req: SamplingFields, prompts: list[PromptInput], max_model_len: int, pinned_rank: int | None,
+               grammar: str | None = None) -> GenerationSpec:
+    """The spec of a request whose values `protocol.check_*_request` accepted, constrained to `grammar` (checked
+    by structured.GrammarChecker); raises BadRequest when the output does not fit next to the longest prompt."""
     max_tokens = check_output_fits(req, max(len(p.token_ids) for p in prompts), max_model_len)
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -46,6 +46,7 @@ def build_spec(req: SamplingFields, prompts: list[PromptInput], max_model_len: i
         ignore_eos=req.ignore_eos,
         logprobs=req.engine_logprobs(),
         prompt_logprobs=req.engine_prompt_logprobs(),
+        grammar=grammar,
     )
     return GenerationSpec(
         prompts=prompts,

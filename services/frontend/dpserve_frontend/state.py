@@ -16,6 +16,7 @@ from dpserve_frontend.errors import BadRequest, ModelNotFound, RetryLater, Servi
 from dpserve_frontend.metrics import FrontendMetrics
 from dpserve_frontend.router import AdmissionLimits
 from dpserve_frontend.settings import FrontendSettings
+from dpserve_frontend.structured import GrammarChecker
 from dpserve_frontend.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class FrontendState:
         self.metrics.follow_prefix_index(self.pool.prefix_index)
         self.tokenizer: ModelTokenizer | None = None
         self.model_info: ModelInfo | None = None
+        self.grammars = GrammarChecker(settings.structured_output_compile_timeout_s,
+                                       settings.structured_output_max_bytes, settings.is_json_whitespace_flexible)
         self.snapshot: LoadSnapshot | None = None
         self.engine_loads: dict[int, EngineLoad] = {}  # newest per rank (snapshot or piggybacked on outputs)
         self.num_http_in_flight = 0
@@ -73,6 +76,7 @@ class FrontendState:
         log.info("model %s (max_model_len %d, vocab %d)", info.name, info.max_model_len, info.vocab_size)
         self.tokenizer = ModelTokenizer(info)
         self.model_info = info
+        self.grammars.set_model(info)
         self.metrics.set_model_name(info.name)
 
     def apply_topology(self, topology: Topology) -> None:

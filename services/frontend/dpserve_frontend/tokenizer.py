@@ -1,4 +1,8 @@
-"""The model's tokenizer and chat template, built from the `ModelInfo` the engines publish (no model files)."""
+"""The model's tokenizer and chat template, built from the `ModelInfo` the engines publish (no model files).
+
+A request's tools go to the template as `tools=` (Hugging Face's convention). A template that never reads `tools`
+(SmolLM2's) would drop them silently: for it, the conversation is written in the Hermes format first (hermes.py).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,13 @@ import functools
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from dpserve_shared.schema import ModelInfo
 
+from dpserve_frontend import hermes
 from dpserve_frontend.errors import BadRequest
 
 
@@ -31,10 +37,12 @@ class ModelTokenizer:
         self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self.vocab_size = max(info.vocab_size, self.tokenizer.get_vocab_size(with_added_tokens=True))
         self._template = None
+        self.template_reads_tools = False
         if info.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
             self._template = env.from_string(info.chat_template)
+            self.template_reads_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(info.chat_template))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -74,15 +82,19 @@ class ModelTokenizer:
             raise ChatTemplateError(f"the messages do not fit the model's chat template: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool,
-                    add_special_tokens: bool, chat_template_kwargs: dict | None) -> tuple[str, list[int]]:
-        """The prompt text and ids for a conversation (chat completions and /tokenize, so the counts agree)."""
+                    add_special_tokens: bool, chat_template_kwargs: dict | None,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        """The prompt text and ids for a conversation (chat completions and /tokenize, so the counts agree), with
+        `tools` (OpenAI's tool objects) for the model to call."""
         if continue_final_message and add_generation_prompt:
             raise BadRequest("continue_final_message and add_generation_prompt cannot both be true",
                              param="continue_final_message")
         kwargs = dict(chat_template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt", "bos_token", "eos_token"):
+        for reserved in ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools"):
             kwargs.pop(reserved, None)
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        if not self.template_reads_tools:
+            messages = hermes.render_messages(messages, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
         if continue_final_message:
             # Leave the last message open: cut the rendered text right after its content.
             last = messages[-1]["content"]
