@@ -33,9 +33,10 @@ NUM_HOSTS = 3
 CPUS_PER_HOST = 4  # logical: two ranks (device bundle + actor bundle each) per host
 
 
-def _run_in(hosts, host, code: str, env, timeout=120) -> str:
+def _run_in(hosts, host, code: str, env, timeout=120, args: tuple[str, ...] = ()) -> str:
     result = subprocess.run(
-        hosts.cmd(host, [sys.executable, "-c", code]), env=env, capture_output=True, text=True, timeout=timeout
+        hosts.cmd(host, [sys.executable, "-c", code, *args]), env=env, capture_output=True, text=True,
+        timeout=timeout,
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
     return result.stdout
@@ -82,12 +83,15 @@ def cluster():
 
 _PLACEMENT = textwrap.dedent(
     """
-    import json, ray
+    import json, ray, sys
     from ray.util.state import list_actors
-    ray.init(address="auto", logging_level="ERROR")
+    # the head's address, never "auto": that finds every Ray on the machine (the other test worker's too) and
+    # refuses to choose
+    address = sys.argv[1]
+    ray.init(address=address, logging_level="ERROR")
     ip_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     ranks = {}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")]):
+    for actor in list_actors(address=address, filters=[("state", "=", "ALIVE")]):
         if (actor.name or "").startswith("dpserve-engine-"):
             ranks[int(actor.name.rsplit("-", 1)[1])] = ip_of[actor.node_id]
     print(json.dumps(ranks))
@@ -130,7 +134,7 @@ def _served_per_rank(metrics_text: str) -> dict[int, float]:
 def _wait_no_engine_actors(hosts, env, timeout_s: float = 90.0) -> None:
     """The previous deployment's actors must be gone before the next one's placement is read."""
     deadline = time.time() + timeout_s
-    while json.loads(_run_in(hosts, 0, _PLACEMENT, env)):
+    while json.loads(_run_in(hosts, 0, _PLACEMENT, env, args=(f"{hosts.ips[0]}:{RAY_PORT}",))):
         assert time.time() < deadline, "engine actors of a stopped deployment are still alive"
         time.sleep(1)
 
@@ -164,7 +168,8 @@ def test_ranks_land_on_the_right_hosts_and_all_serve(cluster, local):
                     if time.time() > deadline: raise
                 time.sleep(1)
             """), env, timeout=660)
-        placement = {int(k): v for k, v in json.loads(_run_in(hosts, 0, _PLACEMENT, env)).items()}
+        placement = json.loads(_run_in(hosts, 0, _PLACEMENT, env, args=(f"{head_ip}:{RAY_PORT}",)))
+        placement = {int(k): v for k, v in placement.items()}
         assert sorted(placement) == [0, 1, 2, 3], placement
         for rank, ip in placement.items():
             if rank < local:

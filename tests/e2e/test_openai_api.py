@@ -287,3 +287,141 @@ def test_cached_prompt_tokens_and_pinned_rank(client, model, server):
     assert usages[1].prompt_tokens_details.cached_tokens >= 32
     with pytest.raises(openai.BadRequestError, match="not a serving rank"):
         client.completions.create(model=model, prompt="x", max_tokens=1, extra_headers={"X-data-parallel-rank": "7"})
+
+
+# -- structured outputs and tool calls (issue 37), on every rank and through both API servers ------------------
+
+def _forecast_model():
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: Literal["Paris", "Rome", "Oslo"]
+        days: int = Field(ge=1, le=7)
+        is_sunny: bool
+        note: str = Field(max_length=12)
+
+    return Forecast
+
+
+def _weather_tool():
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """The weather in a city."""
+
+        city: Literal["Paris", "Rome", "Oslo"]
+        days: int = Field(ge=1, le=7)
+
+    return GetWeather, openai.pydantic_function_tool(GetWeather)
+
+
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
+
+
+def test_structured_outputs_hold_on_every_rank(client, model, server):
+    """parse() returns the pydantic model; json_object, regex, choice and a Lark grammar hold; on each rank."""
+    import jsonschema
+
+    forecast = _forecast_model()
+    for rank in ("0", "1"):
+        pin = {"X-data-parallel-rank": rank}
+        for seed, temperature in ((1, 0.0), (2, 1.0)):
+            parsed = client.chat.completions.parse(model=model, messages=ASK, response_format=forecast, seed=seed,
+                                                   temperature=temperature, max_tokens=200, extra_headers=pin)
+            choice = parsed.choices[0]
+            assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, forecast), choice
+        obj = client.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"},
+                                             max_tokens=200, seed=3, extra_headers=pin)
+        if obj.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(obj.choices[0].message.content), dict)
+        regex = client.completions.create(model=model, prompt="Today's date is", max_tokens=20, temperature=0,
+                                          extra_body={"structured_outputs": {"regex": r" 20[0-9]{2}-[01][0-9]-[0-3][0-9]"}},
+                                          extra_headers=pin)  # fmt: skip
+        assert regex.choices[0].finish_reason == "stop"
+        jsonschema.validate(regex.choices[0].text, {"type": "string", "pattern": r"^ 20\d\d-[01]\d-[0-3]\d$"})
+        choice = client.completions.create(model=model, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0,
+                                           extra_body={"guided_choice": [" yes", " no"]}, extra_headers=pin)
+        assert choice.choices[0].text in (" yes", " no") and choice.choices[0].finish_reason == "stop"
+        grammar = client.completions.create(
+            model=model, prompt="2 + 3 =", max_tokens=10, temperature=0, extra_headers=pin,
+            extra_body={"structured_outputs": {"grammar": 'start: " " NUM "."\nNUM: /[0-9]{1,3}/'}})
+        text = grammar.choices[0].text
+        assert grammar.choices[0].finish_reason == "stop" and text[0] == " " and text[1:-1].isdigit() and text[-1] == "."
+
+
+def test_tool_calls_required_named_streamed_and_a_multi_turn_exchange(client, model, server):
+    """tool_choice required and named parse and validate, streamed arguments equal the whole response's for the same
+    seed, and a conversation carrying a call and its result renders and answers."""
+    import jsonschema
+
+    weather, tool = _weather_tool()
+    # top_p: a seeded draw among the long tail of tokens would change with the logits' last bits, which differ
+    # between the eager decode step and the compiled one (a rank may load it between two requests: compiled.py)
+    kwargs = dict(model=model, messages=ASK, tools=[tool], seed=4, temperature=1.0, top_p=0.9, max_tokens=200,
+                  parallel_tool_calls=False)
+    whole = client.chat.completions.parse(tool_choice="required", **kwargs)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, weather)
+    with client.chat.completions.stream(tool_choice="required", **kwargs) as stream:
+        streamed = stream.get_final_completion()
+    (streamed_call,) = streamed.choices[0].message.tool_calls
+    assert streamed_call.function.arguments == call.function.arguments
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "GetWeather"}},
+                                           **kwargs)
+    assert named.choices[0].finish_reason == "stop"
+    (named_call,) = named.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(named_call.function.arguments), tool["function"]["parameters"])
+    turns = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": "GetWeather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny, 24 C"}'},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(model=model, messages=turns, tools=[tool], max_tokens=30, temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+    assert answer.usage.prompt_tokens == tokenize(server, messages=turns, tools=[tool])
+    assert answer.usage.prompt_tokens > tokenize(server, messages=ASK)  # the call and its result were rendered
+
+
+def test_a_seeded_constrained_request_is_the_same_alone_and_in_a_mixed_batch_of_32(model, server):
+    """The same tokens alone and among 31 others, constrained and not, spread over both ranks."""
+    import concurrent.futures
+
+    forecast = _forecast_model()
+    schema = {"type": "json_schema", "json_schema": {"name": "Forecast", "schema": forecast.model_json_schema()}}
+
+    def body(i: int) -> dict:
+        messages = [{"role": "user", "content": f"Forecast number {i} for a city, please."}]
+        request = {"model": model, "messages": messages, "max_tokens": 120, "seed": 100 + i, "temperature": 1.0,
+                   "top_p": 0.9}  # (top_p: see the tool-calls test above)
+        if i % 2 == 0:
+            request["response_format"] = schema
+        elif i % 4 == 1:
+            request["structured_outputs"] = {"regex": r"[A-Z][a-z]{2,8}( [a-z]{2,8}){3,6}\."}
+        return request
+
+    def text(i: int, rank: str) -> tuple[str, str]:
+        status, _, raw = http(server, "POST", "/v1/chat/completions", body(i), {"X-data-parallel-rank": rank})
+        assert status == 200, raw
+        choice = json.loads(raw)["choices"][0]
+        return choice["message"]["content"], choice["finish_reason"]
+
+    alone = {i: text(i, str(i % 2)) for i in (0, 1)}
+    for content, finish in alone.values():
+        if finish == "stop":
+            assert content
+    if alone[0][1] == "stop":
+        forecast.model_validate_json(alone[0][0])
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        batch = list(pool.map(lambda i: text(i, str(i % 2)), range(32)))
+    assert batch[0] == alone[0] and batch[1] == alone[1]
+    for i, (content, finish) in enumerate(batch):
+        if i % 2 == 0 and finish == "stop":
+            forecast.model_validate_json(content)
