@@ -205,3 +205,18 @@ def test_one_compile_per_grammar_and_the_mask_covers_only_constrained_rows(model
     allowed = (~mask[1]).nonzero()[0]
     assert allowed.tolist() == second.allowed_token_ids().tolist()
     assert sorted(decode([t]) for t in allowed) == [str(d) for d in range(10)]
+
+
+def test_masks_filled_on_threads_equal_the_serial_ones(model_info):
+    """disallowed_tokens fills several rows on llguidance's threads: the same bits as row by row, and rows
+    without a grammar allow everything."""
+
+    compiler = GrammarCompiler(model_info.tokenizer_json, model_info.vocab_size, model_info.eos_token_ids)
+    matchers = [compiler.submit(llguidance.LLMatcher.grammar_from_regex(regex), []).result(timeout=30)
+                for regex in ("[0-9]{2}", "(yes|no)", "[a-z ]{40}")]
+    rows = [(0, matchers[0]), (2, matchers[1]), (3, matchers[2])]
+    serial = ~disallowed_tokens(rows, 5, model_info.vocab_size, num_threads=1)
+    threaded = ~disallowed_tokens(rows, 5, model_info.vocab_size, num_threads=2)
+    assert (serial == threaded).all()
+    assert serial[1].all() and serial[4].all() and not serial[0].all()
+    assert serial[0].sum() < serial[3].sum()  # two digits allow fewer tokens than lower-case words

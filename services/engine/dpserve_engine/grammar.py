@@ -10,8 +10,9 @@ request's path through an engine core (EngineCore and the null engine alike):
 2. Every step: `take_done` hands over the compiled ones (they join the FIFO's end) and ends the failed ones, and
    those still compiling after --grammar-compile-timeout-s, as ERROR outputs.
 3. Sampling: each constrained row's matcher fills its row of an [N, ceil(V/32)] int32 bitmask (one bit per
-   token), which `disallowed_tokens` unpacks into the mask that sets the logits of forbidden tokens to -inf before
-   anything else chooses a token. Rows without a grammar pass unchanged; a batch without one builds nothing.
+   token; many rows at once on llguidance's threads), which `disallowed_tokens` unpacks into the mask that sets
+   the logits of forbidden tokens to -inf before anything else chooses a token. Rows without a grammar pass
+   unchanged; a batch without one builds nothing.
 4. `GrammarMatcher.consume` advances the matcher past each accepted token; once it is stopped (the grammar is
    complete and allows nothing but EOS), the request finishes with "stop".
 
@@ -30,7 +31,7 @@ from typing import Generic, TypeVar
 import llguidance
 import numpy as np
 from dpserve_shared.schema import EngineRequest, FinishReason, RequestOutput, SamplingParams
-from llguidance.numpy import fill_next_token_bitmask
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from dpserve_engine.interface import InvalidRequest
 
@@ -89,12 +90,27 @@ def num_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def disallowed_tokens(rows: list[tuple[int, GrammarMatcher]], num_rows: int, vocab_size: int) -> np.ndarray:
+_executors: dict[int, llguidance.LLExecutor] = {}
+
+
+def _executor(num_threads: int) -> llguidance.LLExecutor:
+    """llguidance's pool for filling many rows' masks at once (one per thread count, made on first use)."""
+    if num_threads not in _executors:
+        _executors[num_threads] = llguidance.LLExecutor(num_threads)
+    return _executors[num_threads]
+
+
+def disallowed_tokens(rows: list[tuple[int, GrammarMatcher]], num_rows: int, vocab_size: int,
+                      num_threads: int = 1) -> np.ndarray:
     """[num_rows, V] bool, True where the row's grammar forbids the token: rows[i] = (row, its matcher); the other
-    rows forbid nothing. (Unpacked bytewise, low bit first: the int32 words as a little-endian host lays them out.)"""
+    rows forbid nothing. Several rows fill on `num_threads` threads (the step's own: its cores wait while it
+    samples). (Unpacked bytewise, low bit first: the int32 words as a little-endian host lays them out.)"""
     bitmask = np.full((num_rows, num_words(vocab_size)), -1, dtype=np.int32)
-    for row, matcher in rows:
-        matcher.fill(bitmask, row)
+    if len(rows) > 1 and num_threads > 1:
+        fill_next_token_bitmask_par(_executor(num_threads), [(m._matcher, row) for row, m in rows], bitmask)
+    else:
+        for row, matcher in rows:
+            matcher.fill(bitmask, row)
     return np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].view(np.bool_)
 
 

@@ -298,7 +298,8 @@ class ModelRunner:
                 banned_ids += ids
         requested = [p.logprobs for p in params if p.logprobs is not None]
         constrained = [(row, s.matcher) for row, s in enumerate(seqs) if s.matcher is not None]
-        disallowed = disallowed_tokens(constrained, len(seqs), vocab) if constrained else None  # structured outputs
+        disallowed = (disallowed_tokens(constrained, len(seqs), vocab, torch.get_num_threads()) if constrained
+                      else None)  # structured outputs
         return SamplingTensors(
             temperature=torch.tensor(temperatures, device=dev) if any(x != 1.0 for x in temperatures) else None,
             is_greedy=torch.tensor(is_greedy, device=dev),
