@@ -11,9 +11,9 @@
   - json_object, regex, choice and grammar constraints; `chat.completions.parse(response_format=Model)`;
     tool_choice required and named, streamed and not (the streamed arguments must equal the whole response's for the
     same seed); a multi-turn exchange with tool results;
-  - a streamed unconstrained request's inter-token latency (p50/p99) while other clients send one-token requests,
-    first unconstrained, then each with a large schema of its own (compiled by an API server and an engine): the
-    difference is what the compiles cost the stream.
+  - a streamed unconstrained request's inter-token latency (p50/p99) while other clients send one-token requests
+    at a fixed rate, first unconstrained, then each with a large schema of its own (compiled by an API server and
+    an engine): the difference is what the compiles cost the stream.
 `engine`, one EngineCore on the bundled model, in this process:
   - each schema's grammar compiled into an llguidance matcher (as an engine compiles it; no cache), p50/p99;
   - decode steps at batch 32, every row constrained vs none, interleaved rounds (A B A B ...): median and p99 step
@@ -135,8 +135,8 @@ TOOLS = [
                                                      "required": ["city"], "additionalProperties": False}}},
 ]  # fmt: skip
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
-LARK = 'start: expr\nexpr: NUM | NUM OP expr\nOP: " + " | " * "\nNUM: /[0-9]{1,3}/'
-LARK_CHECK = re.compile(r"[0-9]{1,3}(( \+ | \* )[0-9]{1,3})*")
+LARK = 'start: NUM OP NUM " = " NUM "."\nOP: " + " | " * "\nNUM: /[0-9]{1,3}/'
+LARK_CHECK = re.compile(r"[0-9]{1,3}( \+ | \* )[0-9]{1,3} = [0-9]{1,3}\.")
 
 
 async def http_part(args) -> dict[str, Any]:
@@ -146,6 +146,10 @@ async def http_part(args) -> dict[str, Any]:
     client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key or "none",
                                 max_retries=0, timeout=600)  # fmt: skip
     model = (await client.models.list()).data[0].id
+    if args.only_itl:
+        report = await itl_under_compiles(args, model)
+        await client.close()
+        return report
     sem = asyncio.Semaphore(args.concurrency)
     schemas = schema_set(args.schemas)
     failures: list[str] = []
@@ -283,7 +287,11 @@ async def itl_under_compiles(args, model: str) -> dict[str, Any]:
         return gaps[1:]  # from the second gap: the first token's prefill is not a gap
 
     async def background(session, stop: asyncio.Event, constrained: bool, counter: list[int]) -> None:
+        """One client's requests at a fixed rate (the same with and without schemas: a slower answer must not mean
+        less load on the stream's rank)."""
+        interval_s = args.compile_clients / args.background_rate
         while not stop.is_set():
+            started = time.perf_counter()
             body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "A record."}],
                                     "max_tokens": 1, "temperature": 0}
             if constrained:
@@ -292,6 +300,7 @@ async def itl_under_compiles(args, model: str) -> dict[str, Any]:
             async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
                 await response.read()
                 counter[0] += response.status == 200
+            await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - started)))
 
     async def measure(constrained: bool) -> tuple[list[float], int]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -436,8 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--schemas", type=int, default=50, help="distinct schemas (default: %(default)s)")
     h.add_argument("--concurrency", type=int, default=16)
     h.add_argument("--compile-clients", type=int, default=2, help="clients sending large schemas (default: 2)")
+    h.add_argument("--background-rate", type=float, default=8.0,
+                   help="their requests a second, all together, with schemas or without (default: %(default)s)")
     h.add_argument("--stream-tokens", type=int, default=96)
     h.add_argument("--itl-rounds", type=int, default=3)
+    h.add_argument("--only-itl", action="store_true", help="only the inter-token latency under compiles")
     e = sub.add_parser("engine", help="compile times and the masked step's cost, one EngineCore in this process")
     e.add_argument("--schemas", type=int, default=50)
     e.add_argument("--batch", type=int, default=32)
