@@ -16,10 +16,10 @@ from dpserve_frontend.responses import ResponseView, respond, usage
 from dpserve_frontend.spec import PromptInput, build_spec
 from dpserve_frontend.sse import sse_event
 from dpserve_frontend.state import FrontendState
-from dpserve_frontend.structured import request_constraint
+from dpserve_frontend.structured import Constraint, JsonOptions, has_constraint_fields, request_constraint
 from dpserve_frontend.tokenizer import ModelTokenizer
 from dpserve_frontend.tool_calls import ToolCallStream, tool_message
-from dpserve_frontend.tools import ToolChoice, plan_tools
+from dpserve_frontend.tools import ToolChoice, ToolPlan, plan_tools
 
 
 class _ChatCompletion(ResponseView):
@@ -114,6 +114,16 @@ class _ChatCompletion(ResponseView):
         }
 
 
+def _constraint_and_tools(req: ChatCompletionRequest, options: JsonOptions) -> tuple[Constraint | None,
+                                                                                     ToolPlan | None]:
+    """The request's constraint (its own, or its tool calls' when the output is read for calls) and its tools."""
+    constraint = request_constraint(req, options)
+    tools = plan_tools(req, constraint)
+    if tools is not None and tools.is_parsed:
+        constraint = tools.constraint(options)
+    return constraint, tools
+
+
 async def create_chat_completion(request: web.Request, state: FrontendState) -> web.StreamResponse:
     arrival_s = time.perf_counter()
     req = await read_request(request, ChatCompletionRequest, state.settings.strict_request_fields)
@@ -121,10 +131,9 @@ async def create_chat_completion(request: web.Request, state: FrontendState) -> 
     info, tok = state.require_model(req.model)
     check_chat_request(req, tok.vocab_size)
     options = state.grammars.json_options(req)
-    constraint = request_constraint(req, options)
-    tools = plan_tools(req, constraint)
-    if tools is not None and tools.is_parsed:
-        constraint = tools.constraint(options)
+    constraint, tools = None, None
+    if has_constraint_fields(req) or req.tools or req.tool_choice is not None:
+        constraint, tools = await state.grammars.off_loop(_constraint_and_tools, req, options)
     _, prompt_ids = tok.encode_chat(message_dicts(req.messages), req.add_generation_prompt,
                                     req.continue_final_message, req.add_special_tokens, req.chat_template_kwargs,
                                     tools.template_tools() if tools is not None else None)  # fmt: skip

@@ -18,7 +18,7 @@ from dpserve_frontend.responses import ResponseView, respond, usage
 from dpserve_frontend.spec import PromptInput, build_spec
 from dpserve_frontend.sse import sse_event
 from dpserve_frontend.state import FrontendState
-from dpserve_frontend.structured import request_constraint
+from dpserve_frontend.structured import has_constraint_fields, request_constraint
 from dpserve_frontend.tokenizer import ModelTokenizer
 
 
@@ -118,7 +118,11 @@ async def create_completion(request: web.Request, state: FrontendState) -> web.S
     info, tok = state.require_model(req.model)
     check_completion_request(req, tok.vocab_size)
     prompts = read_prompts(req, tok)
-    grammar = await state.grammars.grammar(req, request_constraint(req, state.grammars.json_options(req)))
+    options = state.grammars.json_options(req)
+    constraint = None
+    if has_constraint_fields(req):
+        constraint = await state.grammars.off_loop(request_constraint, req, options)
+    grammar = await state.grammars.grammar(req, constraint)
     spec = build_spec(req, prompts, info.max_model_len, rank, grammar)
     spec.session_id = session_id(request)
     generation = Generation(state.pool, tok, state.metrics, spec, new_request_id("cmpl"), arrival_s)

@@ -75,6 +75,12 @@ def json_options(req: SamplingFields, is_whitespace_flexible: bool) -> JsonOptio
     return JsonOptions(is_whitespace_flexible, pattern)
 
 
+def has_constraint_fields(req: SamplingFields) -> bool:
+    """Whether the request sets a field that may constrain its output (then `request_constraint` has work to do)."""
+    return (req.response_format is not None or req.structured_outputs is not None or req.guided_json is not None
+            or req.guided_regex is not None or req.guided_choice is not None or req.guided_grammar is not None)
+
+
 def request_constraint(req: SamplingFields, options: JsonOptions) -> Constraint | None:
     """The constraint that response_format, structured_outputs or a guided_* field asks for (None: none does);
     BadRequest for more than one, or for one this server does not support."""
@@ -229,6 +235,11 @@ class GrammarChecker:
 
     def json_options(self, req: SamplingFields) -> JsonOptions:
         return json_options(req, self.is_whitespace_flexible)
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the checker's threads: llguidance's conversions (a schema into a grammar) take milliseconds
+        for a large schema, time that every stream of this API server would otherwise wait."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def grammar(self, req: SamplingFields, constraint: Constraint | None) -> str | None:
         """SamplingParams.grammar for `constraint` (None: unconstrained), once it compiled for this model;
