@@ -5,7 +5,6 @@ field. The grammars' behaviour is checked by feeding texts to a matcher."""
 import asyncio
 import threading
 
-import llguidance
 import msgspec
 import pytest
 from openai.lib._pydantic import to_strict_json_schema
@@ -30,24 +29,6 @@ def completion(**fields) -> CompletionRequest:
 def constraint_of(**fields):
     req = completion(**fields)
     return request_constraint(req, json_options(req, is_whitespace_flexible=False))
-
-
-@pytest.fixture(scope="module")
-def lltok(model_info):
-    return llguidance.LLTokenizer(model_info.tokenizer_json, n_vocab=model_info.vocab_size,
-                                  eos_token=model_info.eos_token_ids)
-
-
-@pytest.fixture
-def accepts(lltok):
-    """accepts(grammar, text): the grammar allows `text` as a whole output."""
-
-    def accepts(grammar: str, text: str) -> bool:
-        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
-        assert not matcher.is_error(), matcher.get_error()
-        return matcher.consume_tokens(lltok.tokenize_str(text)) and matcher.is_accepting()
-
-    return accepts
 
 
 def check(model_info, req, constraint, **checker_kwargs) -> str | None:

@@ -42,22 +42,6 @@ def plan(**fields):
 
 
 @pytest.fixture(scope="module")
-def lltok(model_info):
-    return llguidance.LLTokenizer(model_info.tokenizer_json, n_vocab=model_info.vocab_size,
-                                  eos_token=model_info.eos_token_ids)
-
-
-@pytest.fixture
-def accepts(lltok):
-    def accepts(grammar: str, text: str) -> bool:
-        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
-        assert not matcher.is_error(), matcher.get_error()
-        return matcher.consume_tokens(lltok.tokenize_str(text)) and matcher.is_accepting()
-
-    return accepts
-
-
-@pytest.fixture(scope="module")
 def random_output(model_info, lltok):
     """random_output(grammar, seed, max_tokens): the text of a seeded random walk through the grammar's allowed
     tokens, and whether it ended (the grammar complete or EOS drawn) before max_tokens."""
