@@ -68,8 +68,13 @@ def test_two_processes_one_port_and_sigterm_drains(model_info, tmp_path):
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True,
             ))
         wait_healthy(url, procs)
-        registered = {m.frontend_id for m in coordinator.of_type(RegisterFrontend)}
-        assert registered == {"fe-0", "fe-1"}
+        # one of them answering /health says nothing of the other: wait until both registered
+        deadline = time.monotonic() + 60
+        while {m.frontend_id for m in coordinator.of_type(RegisterFrontend)} != {"fe-0", "fe-1"}:
+            assert time.monotonic() < deadline, {m.frontend_id for m in coordinator.of_type(RegisterFrontend)}
+            for proc in procs:
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.1)
         for _ in range(6):
             assert complete(url, 3)[0] == 200
         # metrics are summed over both processes
