@@ -180,6 +180,7 @@ def test_a_coordinator_started_again_by_hand_adopts_the_engine_actors_it_left(ra
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         output = second.communicate(timeout=60)[0] if second is not None else ""
+        print(output[-8000:])  # shown by pytest when the test fails, whichever assertion it was
     assert "adopted actor dpserve-engine-0" in output and "re-attached 2 rank(s) [0, 1]" in output, output[-4000:]
     assert second.returncode == 0, output[-4000:]
     state = _cluster_state(address, env)

@@ -74,7 +74,10 @@ async def _scale_scenario() -> None:
         early = await _recv(admin, ScaleAck)
         assert not early.accepted and "still starting its ranks" in early.error
         engine0 = await _engine(ctx, settings.control_addr, 0)
-        await asyncio.sleep(0.5)  # until the start-up waiter (polling every 0.1 s) saw rank 0 READY
+        for _ in range(200):  # until the start-up waiter (polling every 0.1 s) saw rank 0 READY
+            if coordinator.scaler._refusal is None:
+                break
+            await asyncio.sleep(0.05)
 
         for bad, message in ((0, "between 1 and 1024, got 0"), (scaling.MAX_DATA_PARALLEL_SIZE + 1, "got 1025")):
             await _send(admin, ScaleRequest(bad))

@@ -68,13 +68,18 @@ async def _send(sock, msg, deployment_id: str = DEPLOYMENT) -> None:
 async def _recv(sock, kind, timeout_s: float = 10.0, deployment_id: str = DEPLOYMENT):
     """The next message of `kind` (in the envelope of `deployment_id`; nothing else may come)."""
     decoder = from_coordinator_decoder()
-    async with asyncio.timeout(timeout_s):
-        while True:
-            envelope = split(await sock.recv_multipart())
-            assert envelope is not None and envelope[0] == deployment_id, envelope
-            msg = decoder.decode(envelope[1])
-            if isinstance(msg, kind):
-                return msg
+    others = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                envelope = split(await sock.recv_multipart())
+                assert envelope is not None and envelope[0] == deployment_id, envelope
+                msg = decoder.decode(envelope[1])
+                if isinstance(msg, kind):
+                    return msg
+                others.append(type(msg).__name__)
+    except TimeoutError:
+        raise TimeoutError(f"no {kind.__name__} within {timeout_s} s (came instead: {others})") from None
 
 
 def _dealer(ctx, identity: str, addr: str):
