@@ -192,6 +192,40 @@ def test_limits_and_combinations_the_engine_refuses(model_info, monkeypatch):
         release.set()
 
 
+def test_a_grammar_that_comes_again_is_not_compiled_again_until_the_model_changes(model_info, monkeypatch):
+    calls = []
+    first_error = structured._first_error
+    monkeypatch.setattr(structured, "_first_error", lambda *a: calls.append(a[0].param) or first_error(*a))
+    good, bad = completion(guided_json=PERSON), completion(guided_json={"type": "frobnicate"})
+    checker = GrammarChecker(5.0, 64 * 1024)
+    checker.set_model(model_info)
+
+    async def twice(req, constraint):
+        answers = []
+        for _ in range(2):
+            try:
+                answers.append(await checker.grammar(req, constraint))
+            except BadRequest as e:
+                answers.append((e.param, e.message))
+        return answers
+
+    try:
+        good_constraint = request_constraint(good, JsonOptions())
+        assert asyncio.run(twice(good, good_constraint)) == [good_constraint.grammar] * 2
+        first, again = asyncio.run(twice(bad, request_constraint(bad, JsonOptions())))
+        assert first == again and first[0] == "guided_json" and "frobnicate" in first[1]
+        # the same schema from another field is its own entry: the error names that field
+        other = completion(structured_outputs={"json": {"type": "frobnicate"}})
+        (param, _), _ = asyncio.run(twice(other, request_constraint(other, JsonOptions())))
+        assert param == "structured_outputs.json"
+        assert calls == ["guided_json", "guided_json", "structured_outputs.json"]
+        checker.set_model(model_info)
+        asyncio.run(twice(good, good_constraint))
+        assert calls[-1] == "guided_json" and len(calls) == 4
+    finally:
+        checker.close()
+
+
 def test_the_openai_clients_strict_pydantic_schemas_compile(model_info, accepts):
     """What `client.chat.completions.parse(response_format=Model)` sends: all properties required, no others,
     $defs/$ref for nested models, anyOf for Optional."""

@@ -17,8 +17,10 @@ with newlines until max_tokens. --structured-output-whitespace flexible allows i
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 from typing import Any
 
 import llguidance
@@ -30,6 +32,7 @@ from dpserve_shared.schema import ModelInfo
 from dpserve_frontend.errors import BadRequest
 from dpserve_frontend.protocol import ResponseFormat, SamplingFields, StructuredOutputs
 
+CHECKED_CACHE_SIZE = 256  # grammars whose check is remembered (a digest and the error, if any, each)
 CHECK_THREADS = 2  # compiles take ~1 ms (llguidance's fuel limits bound them); the event loop keeps its core
 
 
@@ -227,11 +230,16 @@ class GrammarChecker:
         self._executor = concurrent.futures.ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="grammar-check")
         self._info: ModelInfo | None = None
         self._tokenizer: concurrent.futures.Future[llguidance.LLTokenizer] | None = None
+        # what the last CHECKED_CACHE_SIZE grammars' checks said (None: it compiled), by the sha256 of the field and
+        # the grammar (an error names the field): a schema that comes again (an API's structured outputs mostly
+        # repeat) is not compiled again here
+        self._checked: collections.OrderedDict[bytes, tuple[str, str] | None] = collections.OrderedDict()
 
     def set_model(self, info: ModelInfo) -> None:
         """A new model (or tokenizer): its llguidance tokenizer is built when a request first needs it."""
         self._info = info
         self._tokenizer = None
+        self._checked.clear()
 
     def json_options(self, req: SamplingFields) -> JsonOptions:
         return json_options(req, self.is_whitespace_flexible)
@@ -255,14 +263,22 @@ class GrammarChecker:
             raise BadRequest(f"{constraint.param} is too large: its grammar takes {size} bytes, more than the "
                              f"{self.max_bytes} this server compiles (--structured-output-max-bytes)",
                              param=constraint.param)
-        tokenizer = await asyncio.shield(asyncio.wrap_future(self._load_tokenizer()))
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                error = await loop.run_in_executor(self._executor, _first_error, constraint, tokenizer)
-        except TimeoutError:
-            raise BadRequest(f"{constraint.param} did not compile within {self.timeout_s:g} s (this server's "
-                             "--structured-output-compile-timeout); simplify it", param=constraint.param) from None
+        key = hashlib.sha256(f"{constraint.param}\0{constraint.grammar}".encode("utf-8", "surrogatepass")).digest()
+        if key in self._checked:
+            self._checked.move_to_end(key)
+            error = self._checked[key]
+        else:
+            tokenizer = await asyncio.shield(asyncio.wrap_future(self._load_tokenizer()))
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    error = await loop.run_in_executor(self._executor, _first_error, constraint, tokenizer)
+            except TimeoutError:
+                raise BadRequest(f"{constraint.param} did not compile within {self.timeout_s:g} s (this server's "
+                                 "--structured-output-compile-timeout); simplify it", param=constraint.param) from None
+            self._checked[key] = error
+            if len(self._checked) > CHECKED_CACHE_SIZE:
+                self._checked.popitem(last=False)
         if error is not None:
             param, message = error
             raise BadRequest(f"{param} cannot be used as a constraint: {message}", param=param)
