@@ -86,3 +86,68 @@ def test_missing_files_are_named(tmp_path):
         resolve_model_path(str(tmp_path))
     with pytest.raises(ModelFilesNotFound, match="not found"):
         resolve_model_path(str(tmp_path / "nope"))
+
+
+def test_a_tensor_the_model_does_not_read_is_an_error_naming_it():
+    state = hf_state(ARGS)
+    state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(ARGS.head_dim)  # Qwen3's q norm: not computed here
+    with pytest.raises(ValueError, match=r"does not use 1 of the checkpoint's tensors.*self_attn\.q_norm\.weight"):
+        build_model(ARGS, state, Precision.fp32(), torch.device("cpu"))
+
+
+def test_a_directory_of_a_family_the_model_does_not_compute_is_refused_at_load(hf_dir):
+    path, _ = hf_dir
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, model_type="qwen3")))
+    with pytest.raises(ValueError, match="model_type 'qwen3'.*not supported"):
+        load_hf_dir(str(path))
+    (path / "config.json").write_text(json.dumps(dict(config, rope_parameters={"rope_type": "llama3", "factor": 8.0})))
+    with pytest.raises(ValueError, match="rope_parameters of type 'llama3'"):
+        load_hf_dir(str(path))
+
+
+def _tiny_gguf(path, extra_tensors=(), **metadata):
+    """A llama GGUF of ARGS' shape in F32 (names and layout as llama.cpp writes them) with extra tensors/keys."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_embedding_length(ARGS.dim)
+    writer.add_block_count(ARGS.n_layers)
+    writer.add_head_count(ARGS.n_heads)
+    writer.add_head_count_kv(ARGS.n_kv_heads)
+    writer.add_feed_forward_length(ARGS.ffn_dim)
+    writer.add_context_length(ARGS.max_seq_len)
+    for key, value in metadata.items():
+        writer.add_uint32(key, value) if isinstance(value, int) else writer.add_string(key, value)
+    names = {"token_embd.weight": (ARGS.vocab_size, ARGS.dim), "output_norm.weight": (ARGS.dim,)}
+    for i in range(ARGS.n_layers):
+        for kind, shape in (("attn_norm", (ARGS.dim,)), ("attn_q", (ARGS.dim, ARGS.dim)),
+                            ("attn_k", (ARGS.n_kv_heads * ARGS.head_dim, ARGS.dim)),
+                            ("attn_v", (ARGS.n_kv_heads * ARGS.head_dim, ARGS.dim)),
+                            ("attn_output", (ARGS.dim, ARGS.dim)), ("ffn_norm", (ARGS.dim,)),
+                            ("ffn_gate", (ARGS.ffn_dim, ARGS.dim)), ("ffn_up", (ARGS.ffn_dim, ARGS.dim)),
+                            ("ffn_down", (ARGS.dim, ARGS.ffn_dim))):  # fmt: skip
+            names[f"blk.{i}.{kind}.weight"] = shape
+    names.update(dict(extra_tensors))
+    for name, shape in names.items():
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_a_llama_gguf_loads_and_its_unknowns_are_errors_naming_them(tmp_path):
+    from dpserve_engine.loader import load_gguf
+
+    args, state = load_gguf(_tiny_gguf(tmp_path / "plain.gguf"))
+    assert (args.dim, args.n_layers, args.tie_embeddings) == (ARGS.dim, ARGS.n_layers, True)
+    assert "model.layers.1.mlp.down_proj.weight" in state
+    with pytest.raises(ValueError, match=r"rope_freqs\.weight \(llama3 rope scaling\) is not supported"):
+        load_gguf(_tiny_gguf(tmp_path / "llama3.gguf", [("rope_freqs.weight", (ARGS.head_dim // 2,))]))
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.attn_q_norm\.weight' is not one the llama model reads"):
+        load_gguf(_tiny_gguf(tmp_path / "qnorm.gguf", [("blk.0.attn_q_norm.weight", (ARGS.head_dim,))]))
+    with pytest.raises(ValueError, match=r"rope\.dimension_count 4 is not the head size 8"):
+        load_gguf(_tiny_gguf(tmp_path / "partial.gguf", **{"llama.rope.dimension_count": 4}))

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from dpserve_engine.hf_config import check_hf_config
 from dpserve_engine.model import ModelArgs
 from dpserve_engine.model_files import ModelFilesNotFound, parse_upcycled, resolve_model_path
 from dpserve_engine.moe import checked_expert_ids
@@ -151,6 +152,20 @@ def load_gguf(path: str, quantization: str | None = None) -> tuple[ModelArgs, di
     n_heads = int(field(f"{arch}.attention.head_count"))
     n_kv_heads = int(field(f"{arch}.attention.head_count_kv", n_heads))
     tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+: per-frequency factors, the llama3 rope scaling
+        raise ValueError(f"{path}: rope_freqs.weight (llama3 rope scaling) is not supported yet (plain RoPE only)")
+    scaling = field(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none") and float(field(f"{arch}.rope.scaling.factor", 1.0)) != 1.0:
+        raise ValueError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported yet (plain RoPE only)")
+    head_dim = int(field(f"{arch}.embedding_length")) // n_heads
+    for key in ("key_length", "value_length"):
+        if int(field(f"{arch}.attention.{key}", head_dim)) != head_dim:
+            raise ValueError(f"{path}: {arch}.attention.{key} {field(f'{arch}.attention.{key}')} is not "
+                             f"embedding_length / head_count = {head_dim} (not supported)")  # fmt: skip
+    rotary = int(field(f"{arch}.rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise ValueError(f"{path}: {arch}.rope.dimension_count {rotary} is not the head size {head_dim} "
+                         "(partial rotary is not supported)")  # fmt: skip
     args = ModelArgs(
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),
         dim=int(field(f"{arch}.embedding_length")),
@@ -190,7 +205,11 @@ def _hf_name(gguf_name: str) -> str:
         return "model.norm.weight"
     if gguf_name == "output.weight":
         return "lm_head.weight"
-    _, layer, kind, suffix = gguf_name.split(".", 3)  # blk.N.attn_q.weight
+    parts = gguf_name.split(".", 3)  # blk.N.attn_q.weight
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not one the llama model reads (known: token_embd, output_norm, "
+                         f"output, blk.N.{{{','.join(_GGUF_NAMES)}}})")  # fmt: skip
+    _, layer, kind, suffix = parts
     return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
 
 
@@ -218,10 +237,7 @@ def load_hf_dir(path: str, expert_ids: Sequence[int] | None = None) -> tuple[Mod
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelFilesNotFound(f"model directory {path} has no *.safetensors files")
-    if cfg.get("rope_scaling"):
-        logger.warning("%s: rope_scaling %s is ignored (plain RoPE is used)", path, cfg["rope_scaling"])
-    if cfg.get("sliding_window") and cfg["sliding_window"] < cfg.get("max_position_embeddings", 4096):
-        logger.warning("%s: sliding_window %s is ignored (full attention)", path, cfg["sliding_window"])
+    attention = check_hf_config(cfg, path)
     moe = _moe_args(cfg, path)
     if expert_ids is not None and not moe:
         raise ValueError(f"expert_ids given for {path}, a dense model")
@@ -236,8 +252,8 @@ def load_hf_dir(path: str, expert_ids: Sequence[int] | None = None) -> tuple[Mod
         ffn_dim=cfg["intermediate_size"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_theta=cfg.get("rope_theta", 10000.0),
-        max_seq_len=cfg.get("max_position_embeddings", 4096),
+        rope_theta=attention.rope_theta,
+        max_seq_len=attention.context_length or 4096,
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         qkv_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
         **moe,

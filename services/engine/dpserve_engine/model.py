@@ -460,5 +460,36 @@ def build_model(
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / p.shape[-1] ** 0.5)
     else:
-        model.load_weights(state, path)
+        tracked = _ReadTracking(state)
+        model.load_weights(tracked, path)
+        held = None if expert_ids is None else {str(e) for e in expert_ids}
+        unread = sorted(k for k in state if k not in tracked.read and not k.endswith("rotary_emb.inv_freq")
+                        and not (held is not None and _expert_of(k) not in (None, *held)))  # others' experts
+        if unread:  # a weight the model has no place for: serving without it would be silently wrong
+            raise ValueError(f"the model does not use {len(unread)} of the checkpoint's tensors (an architecture "
+                             f"feature it does not implement): {', '.join(unread[:6])}{' ...' if len(unread) > 6 else ''}")
     return model.eval()
+
+
+def _expert_of(name: str) -> str | None:
+    """The expert number in a Mixtral-named tensor ("...block_sparse_moe.experts.3.w1.weight" -> "3")."""
+    _, sep, rest = name.partition(".block_sparse_moe.experts.")
+    return rest.split(".", 1)[0] if sep else None
+
+
+class _ReadTracking(dict):
+    """A state dict that records which tensors were read (membership tests do not count)."""
+
+    def __init__(self, state: dict[str, Tensor]):
+        super().__init__(state)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Tensor:
+        value = super().__getitem__(key)
+        self.read.add(key)
+        return value
+
+    def get(self, key: str, default=None):
+        if key in self:
+            return self[key]
+        return default

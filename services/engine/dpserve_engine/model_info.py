@@ -16,6 +16,7 @@ import msgspec
 
 from dpserve_shared.schema import ModelInfo
 
+from dpserve_engine.hf_config import check_hf_config
 from dpserve_engine.model_files import (
     DEFAULT_MODEL_SERVED_NAME,
     is_default_model,
@@ -37,9 +38,40 @@ def _gguf_field(reader, key: str):
     return field.contents()
 
 
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe), by `tokenizer.ggml.pre`; each splits
+# the pieces the ones before it left, matches and the text between them alike
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")  # no `pre` (llama.cpp warns)
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"), (_LLAMA3,)),
+    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), (_QWEN2,)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
+                    (r"\p{N}", _GPT2)),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "roberta-bpe"), (_GPT2,)),
+    "default": _DEFAULT,
+}
+
+
+def gguf_pre_tokenizer(pre: str | None):
+    """The `tokenizers` pre-tokenizer llama.cpp applies for `tokenizer.ggml.pre` (None: its default); ValueError
+    naming a `pre` that is not in PRE_TOKENIZERS (a wrong split gives other token ids, silently)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    regexes = PRE_TOKENIZERS.get("default" if pre is None else pre)
+    if regexes is None:
+        raise ValueError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r} (supported: "
+                         f"{', '.join(sorted(PRE_TOKENIZERS))})")  # fmt: skip
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def build_gguf_tokenizer(reader):
-    """A `tokenizers.Tokenizer` equal to llama.cpp's for GPT-2-style BPE GGUF vocabularies (SmolLM2's)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    """A `tokenizers.Tokenizer` equal to llama.cpp's for a byte-level BPE GGUF vocabulary (`tokenizer.ggml.model`
+    gpt2: SmolLM2's, Llama 3's, Qwen2's), with the pre-tokenizer of its `tokenizer.ggml.pre`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
     tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
     merges = _gguf_field(reader, "tokenizer.ggml.merges")
@@ -50,11 +82,7 @@ def build_gguf_tokenizer(reader):
     vocab = {token: i for i, token in enumerate(tokens)}
     bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
     tokenizer = Tokenizer(bpe)
-    pre = _gguf_field(reader, "tokenizer.ggml.pre")
-    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if pre in ("smollm", "smaug-bpe", "qwen2", "llama3", "llama-bpe", "starcoder", "refact"):
-        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tokenizer.pre_tokenizer = gguf_pre_tokenizer(_gguf_field(reader, "tokenizer.ggml.pre"))
     tokenizer.decoder = decoders.ByteLevel()
     specials = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_CONTROL]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
@@ -133,7 +161,7 @@ def model_info_from_hf_dir(path: str, config: EngineConfig) -> ModelInfo:
     return ModelInfo(
         name=config.served_model_name or _default_served_name(config.model, path),
         root=path,
-        max_model_len=_default_max_len(model_config.get("max_position_embeddings"), config),
+        max_model_len=_default_max_len(check_hf_config(model_config, path).context_length, config),
         vocab_size=int(model_config.get("vocab_size") or tokenizer.get_vocab_size()),
         tokenizer_json=tokenizer_json,
         chat_template=template,
