@@ -51,3 +51,14 @@ def _os_pick(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def has_input(sock) -> bool:
+    """Whether messages wait on a zmq.asyncio socket, asked without taking the wake-up from its pending recv.
+
+    Reading ZMQ_EVENTS resets the socket's edge-triggered FD. zmq.asyncio's `get(EVENTS)` then schedules the
+    waiting recv itself; `getsockopt(EVENTS)` (an alias of the base class's get) does not, and a message that came
+    while the event loop was busy would wait for the next one to wake its reader (a reply that never comes)."""
+    import zmq
+
+    return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)

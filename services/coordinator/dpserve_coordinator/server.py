@@ -41,6 +41,7 @@ import zmq.asyncio
 
 from dpserve_shared.codec import coordinator_decoder
 from dpserve_shared.envelope import DeploymentGuard, frames
+from dpserve_shared.net import has_input
 from dpserve_shared.schema import (
     EngineState,
     EngineStats,
@@ -537,7 +538,7 @@ class Coordinator:
                 # This process did not run (an overloaded machine): its peers' silence meanwhile is its own
                 self.registry.forgive(now - last_tick)
             last_tick = now
-            if self.control.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if has_input(self.control):
                 gone, dead = [], []  # messages wait to be read (heartbeats among them): judge silence after
             else:
                 gone, dead = self.registry.expire(now)
