@@ -368,7 +368,7 @@ def load_model(config: EngineConfig, precision: Precision | None = None) -> Tran
     expert_ids = [] if config.enable_expert_parallel and is_moe_model(config.model) else None
     if expert_ids is not None:
         logger.info("expert parallel: loading no experts until this rank joins its group")
-    args, state = load_weights(config.model, config.cache_dir, "int4" if path else None,  # "int4": Q4_1 groups
+    args, state = load_weights(config.model, config.cache_dir, "int4" if path else None,  # 4-bit groups
                                expert_ids=expert_ids)  # fmt: skip
     prec = precision or Precision.for_device(device, config.dtype)
     if path:

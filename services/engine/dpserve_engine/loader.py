@@ -32,7 +32,7 @@ from dpserve_engine.moe_weights import upcycle
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 _GGUF_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -51,7 +51,7 @@ StateDict = dict[str, torch.Tensor]
 
 def load_weights(model: str, cache_dir: str, quantization: str | None = None,
                  expert_ids: Sequence[int] | None = None) -> tuple[ModelArgs, StateDict]:  # fmt: skip
-    """quantization="int4": Q4_1 linear weights stay as their GGUF groups (`.qweight`, `.scales`, `.mins`).
+    """quantization="int4": 4-bit linear weights (Q4_0, Q4_1, Q4_K) stay as groups (`.qweight`, `.scales`, `.mins`).
     expert_ids: of an MoE model, the experts to load (default: all); an error for a dense model."""
     if quantization not in (None, "int4"):
         raise ValueError(f"quantization must be None or 'int4', got {quantization!r}")
@@ -67,7 +67,8 @@ def load_weights(model: str, cache_dir: str, quantization: str | None = None,
         return upcycle(args, dense, spec, _checked_experts(expert_ids, spec.num_experts, model))
     if os.path.isdir(path):
         if quantization:
-            raise ValueError(f"quantization={quantization!r} needs a GGUF file with Q4_1 weights; {path} is a directory")
+            raise ValueError(f"quantization={quantization!r} needs a GGUF file with 4-bit (Q4_0, Q4_1, Q4_K) weights; "
+                             f"{path} is a directory")
         return load_hf_dir(path, expert_ids)
     if expert_ids is not None:
         raise ValueError(f"expert_ids given for {path}, a dense model")
@@ -130,9 +131,50 @@ def q4_1_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     groups = np.asarray(raw).reshape(raw.shape[0], -1, 20)
     d = groups[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = groups[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    nibbles = groups[..., 4:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(raw.shape[0], -1)
-    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
+    return torch.from_numpy(_nibbles(groups[..., 4:], raw.shape[0])), torch.from_numpy(d), torch.from_numpy(m)
+
+
+def q4_0_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 tensor's bytes [N, K/32 * 18] -> q, d, m as q4_1_groups gives them: w = d * (q - 8) = d * q + (-8 d).
+
+    Each 18-byte group: d (fp16), 16 bytes of nibbles in Q4_1's order. d * q and 8 d are exact in fp32 (an fp16
+    times a 4-bit integer), so the repacked weights are gguf's dequantized ones bit for bit."""
+    groups = np.asarray(raw).reshape(raw.shape[0], -1, 18)
+    d = groups[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return torch.from_numpy(_nibbles(groups[..., 2:], raw.shape[0])), torch.from_numpy(d), torch.from_numpy(-8.0 * d)
+
+
+def q4_k_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K tensor's bytes [N, K/256 * 144] -> q, d, m per 32-group: w = (d sc) q - dmin m = d' q + m'.
+
+    Each 144-byte super-block: d, dmin (fp16), 12 bytes of eight 6-bit (sc, m) pairs (gguf's get_scale_min), 128
+    bytes of nibbles: 64 weights per 32 bytes, the low nibbles first. d sc and dmin m are exact in fp32, so
+    d' = d sc and m' = -(dmin m) give gguf's dequantized weights bit for bit."""
+    import gguf
+
+    blocks = np.asarray(raw).reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [B, 8] each
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(raw.shape[0], -1)
+    scale = (d * sc.astype(np.float32)).reshape(raw.shape[0], -1)
+    offset = -(dmin * mins.astype(np.float32)).reshape(raw.shape[0], -1)
+    return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scale), torch.from_numpy(offset)
+
+
+def _nibbles(packed: np.ndarray, rows: int) -> np.ndarray:
+    """[N, G, 16] bytes -> [N, G * 32] weights 0..15: a group's low nibbles are its weights 0..15, high 16..31."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+
+
+def four_bit_groups(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A GGUF tensor of a 4-bit type the grouped kernels run (Q4_0, Q4_1, Q4_K) as (q, d, m); None for the others."""
+    import gguf
+
+    reader = {gguf.GGMLQuantizationType.Q4_0: q4_0_groups, gguf.GGMLQuantizationType.Q4_1: q4_1_groups,
+              gguf.GGMLQuantizationType.Q4_K: q4_k_groups}.get(t.tensor_type)  # fmt: skip
+    return None if reader is None else reader(t.data)
 
 
 def load_gguf(path: str, quantization: str | None = None) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
@@ -179,15 +221,22 @@ def load_gguf(path: str, quantization: str | None = None) -> tuple[ModelArgs, di
         tie_embeddings="output.weight" not in tensors,
     )
     state = {}
+    kinds: dict[tuple[str, str], int] = {}  # (GGUF type, what it became) -> tensors
     for name, t in tensors.items():
         hf_name = _hf_name(name)
-        if quantization == "int4" and t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and name.startswith("blk."):
+        groups = four_bit_groups(t) if quantization == "int4" and name.startswith("blk.") else None
+        if groups is not None:
             base = hf_name.removesuffix(".weight")
-            state[base + ".qweight"], state[base + ".scales"], state[base + ".mins"] = q4_1_groups(t.data)
-            continue
-        # dequantize returns (out, in) = nn.Linear layout; copy: F32 tensors come back as read-only memmaps
-        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True))
-        state[hf_name] = w
+            state[base + ".qweight"], state[base + ".scales"], state[base + ".mins"] = groups
+            became = "4-bit groups for the grouped kernels"
+        else:
+            # dequantize returns (out, in) = nn.Linear layout; copy: F32 tensors come back as read-only memmaps
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            state[hf_name] = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+            became = "fp32" if t.tensor_type == gguf.GGMLQuantizationType.F32 else "dequantized to fp32"
+        kinds[t.tensor_type.name, became] = kinds.get((t.tensor_type.name, became), 0) + 1
+    logger.info("%s: GGUF tensor types: %s", os.path.basename(path),
+                "; ".join(f"{kind} x{n} -> {became}" for (kind, became), n in sorted(kinds.items())))
     for i in range(args.n_layers):
         for proj, heads in (("q_proj", n_heads), ("k_proj", n_kv_heads)):
             base = f"model.layers.{i}.self_attn.{proj}"

@@ -127,14 +127,24 @@ class Linear(nn.Module):
 def fused_linear(
     state: dict[str, Tensor], names: list[str], linear: nn.Module, split: RowSplit, path: str
 ) -> nn.Module:
-    """Fill `linear` with the row-concatenation of the named weights, or build a GroupedLinear from their groups."""
-    if names[0] + ".qweight" in state:
+    """Fill `linear` with the row-concatenation of the named weights, or build a GroupedLinear from their groups.
+    Where only some of the names come as 4-bit groups (a Q4_K_M file keeps some v projections in Q6_K), the layer
+    is dense: the groups are expanded to the weights they stand for (w = d q + m, as gguf dequantizes them)."""
+    grouped = [n + ".qweight" in state for n in names]
+    if all(grouped):
         parts = (torch.cat([state[n + part] for n in names]) for part in (".qweight", ".scales", ".mins"))
         return GroupedLinear(*parts, split, path)
-    linear.weight.copy_(torch.cat([state[n + ".weight"] for n in names]))
+    linear.weight.copy_(torch.cat([_expanded(state, n) if g else state[n + ".weight"] for n, g in zip(names, grouped)]))
     if linear.bias is not None:
         linear.bias.copy_(torch.cat([state[n + ".bias"] for n in names]))
     return linear
+
+
+def _expanded(state: dict[str, Tensor], name: str) -> Tensor:
+    """The fp32 weights [N, K] of a grouped tensor (q [N, K], d and m [N, K / 32])."""
+    q, d, m = (state[name + part] for part in (".qweight", ".scales", ".mins"))
+    groups = q.reshape(q.shape[0], -1, GroupedLinear.group_size).float()
+    return (groups * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(q.shape)
 
 
 class RMSNorm(nn.Module):
