@@ -163,6 +163,14 @@ def q4_k_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scale), torch.from_numpy(offset)
 
 
+def q8_0_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's bytes [N, K/32 * 34] -> q [N, K] int8 and d [N, K/32] fp32; w = d * q (exact in fp32)."""
+    groups = np.asarray(raw).reshape(raw.shape[0], -1, 34)
+    d = groups[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = groups[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+    return torch.from_numpy(q), torch.from_numpy(d)
+
+
 def _nibbles(packed: np.ndarray, rows: int) -> np.ndarray:
     """[N, G, 16] bytes -> [N, G * 32] weights 0..15: a group's low nibbles are its weights 0..15, high 16..31."""
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
@@ -224,11 +232,15 @@ def load_gguf(path: str, quantization: str | None = None) -> tuple[ModelArgs, di
     kinds: dict[tuple[str, str], int] = {}  # (GGUF type, what it became) -> tensors
     for name, t in tensors.items():
         hf_name = _hf_name(name)
-        groups = four_bit_groups(t) if quantization == "int4" and name.startswith("blk.") else None
+        grouped = quantization == "int4" and name.startswith("blk.")
+        groups = four_bit_groups(t) if grouped else None
+        base = hf_name.removesuffix(".weight")
         if groups is not None:
-            base = hf_name.removesuffix(".weight")
             state[base + ".qweight"], state[base + ".scales"], state[base + ".mins"] = groups
             became = "4-bit groups for the grouped kernels"
+        elif grouped and t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            state[base + ".q8weight"], state[base + ".q8scales"] = q8_0_groups(t.data)
+            became = "int8 groups for the grouped kernel"
         else:
             # dequantize returns (out, in) = nn.Linear layout; copy: F32 tensors come back as read-only memmaps
             data = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -240,7 +252,7 @@ def load_gguf(path: str, quantization: str | None = None) -> tuple[ModelArgs, di
     for i in range(args.n_layers):
         for proj, heads in (("q_proj", n_heads), ("k_proj", n_kv_heads)):
             base = f"model.layers.{i}.self_attn.{proj}"
-            for suffix in (".weight", ".qweight", ".scales", ".mins"):
+            for suffix in (".weight", ".qweight", ".scales", ".mins", ".q8weight", ".q8scales"):
                 if base + suffix in state:  # rows are output features: permute each per-row tensor alike
                     state[base + suffix] = _unpermute(state[base + suffix], heads)
     logger.info("dequantized %d tensors in %.1f s", len(state), time.perf_counter() - started)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 from torch import Tensor, nn
 
 from dpserve_engine.moe import ExpertComm, MoEFeedForward, expert_range
-from dpserve_engine.quantized import FastHead, GroupedHead, GroupedLinear, RowSplit, q8_groups
+from dpserve_engine.quantized import GROUPED_PATHS, FastHead, GroupedHead, GroupedLinear, Q8Linear, RowSplit, q8_groups
 
 
 @dataclasses.dataclass
@@ -130,20 +130,34 @@ def fused_linear(
     """Fill `linear` with the row-concatenation of the named weights, or build a GroupedLinear from their groups.
     Where only some of the names come as 4-bit groups (a Q4_K_M file keeps some v projections in Q6_K), the layer
     is dense: the groups are expanded to the weights they stand for (w = d q + m, as gguf dequantizes them)."""
-    grouped = [n + ".qweight" in state for n in names]
-    if all(grouped):
+    kinds = {_kind(state, n) for n in names}
+    if kinds == {".qweight"}:
         parts = (torch.cat([state[n + part] for n in names]) for part in (".qweight", ".scales", ".mins"))
         return GroupedLinear(*parts, split, path)
-    linear.weight.copy_(torch.cat([_expanded(state, n) if g else state[n + ".weight"] for n, g in zip(names, grouped)]))
+    if kinds == {".q8weight"} and path in GROUPED_PATHS:
+        q, d = (torch.cat([state[n + part] for n in names]) for part in (".q8weight", ".q8scales"))
+        return Q8Linear(q, d, split, path)
+    linear.weight.copy_(torch.cat([_expanded(state, n) for n in names]))
     if linear.bias is not None:
         linear.bias.copy_(torch.cat([state[n + ".bias"] for n in names]))
     return linear
 
 
+def _kind(state: dict[str, Tensor], name: str) -> str:
+    """How the loader gave a weight: ".qweight" (4-bit groups), ".q8weight" (Q8_0 groups) or ".weight" (dense)."""
+    return next((kind for kind in (".qweight", ".q8weight") if name + kind in state), ".weight")
+
+
 def _expanded(state: dict[str, Tensor], name: str) -> Tensor:
-    """The fp32 weights [N, K] of a grouped tensor (q [N, K], d and m [N, K / 32])."""
-    q, d, m = (state[name + part] for part in (".qweight", ".scales", ".mins"))
+    """The fp32 weights [N, K] a tensor stands for, in whichever form the loader gave it (w = d q + m, w = d q)."""
+    kind = _kind(state, name)
+    if kind == ".weight":
+        return state[name + ".weight"]
+    q = state[name + kind]
     groups = q.reshape(q.shape[0], -1, GroupedLinear.group_size).float()
+    if kind == ".q8weight":
+        return (groups * state[name + ".q8scales"].unsqueeze(-1)).reshape(q.shape)
+    d, m = state[name + ".scales"], state[name + ".mins"]
     return (groups * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(q.shape)
 
 

@@ -1,5 +1,6 @@
-"""The quantized layers of the model: GGUF Q4_1 linear layers on the kernel path chosen for the CPU
-(`GroupedLinear`), and the LM head on reduced-precision or Q8_0 copies of its weight (`FastHead`, `GroupedHead`).
+"""The quantized layers of the model: GGUF 4-bit linear layers on the kernel path chosen for the CPU
+(`GroupedLinear`), Q8_0 ones on the grouped int8-weight kernel (`Q8Linear`), and the LM head on reduced-precision
+or Q8_0 copies of its weight (`FastHead`, `GroupedHead`).
 
 model.py builds them from the weights (`fused_linear`, `Transformer.quantize_head`); cpu_paths.py chooses the
 path; csrc/grouped_linear.cpp is the grouped kernel on fp32 activations, csrc/grouped_linear_q8.cpp the one on
@@ -115,6 +116,44 @@ class GroupedLinear(nn.Module):
         if self.path == "q4q8":
             return torch.ops.dpserve.q4q8_linear(x.float(), self.qs, self.d, self.m)
         return torch.ops.dpserve.q4_linear(x.float(), self.qs, self.d, self.mt)
+
+
+class Q8Linear(nn.Module):
+    """A GGUF Q8_0 linear layer (w = d * q, 32 weights a group, q int8) as the file has it: decode rows in the grouped
+    kernel the Q8_0 LM head runs (`q8_linear` on fp32 activations, path "q4"; `q8q8_linear`, path "q4q8"), prefill
+    rows through an fp32 copy of the same weights, as GroupedLinear does."""
+
+    prefill_only = ("dense",)
+
+    def __init__(self, q: Tensor, d: Tensor, split: RowSplit, path: str = "q4"):
+        super().__init__()
+        if path not in GROUPED_PATHS:
+            raise ValueError(f"Q8Linear path must be one of {', '.join(GROUPED_PATHS)}; got {path!r}")
+        self.path, self.split = path, split
+        self.in_features = q.shape[1]
+        self.register_buffer("qs", q.to(torch.int8).contiguous())
+        self.register_buffer("d", d.float().contiguous())
+        groups = q.view(q.shape[0], -1, GroupedLinear.group_size).float()
+        self.register_buffer("dense", (groups * self.d.unsqueeze(-1)).view(q.shape))
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = self.split.decode_rows
+        if n >= x.shape[0]:
+            y = self._grouped(x)
+        elif n == 0:
+            y = F.linear(x.float(), self.dense)
+        else:
+            y = torch.cat([self._grouped(x[:n]), F.linear(x[n:].float(), self.dense)])
+        return y.to(x.dtype)
+
+    def decode(self, x: Tensor, rows: int) -> Tensor:
+        y = self._grouped(x.narrow(0, 0, rows))
+        return torch.cat([y, y.new_zeros(x.shape[0] - rows, y.shape[1])]).to(x.dtype)
+
+    def _grouped(self, x: Tensor) -> Tensor:
+        if self.path == "q4q8":
+            return torch.ops.dpserve.q8q8_linear(x.float(), self.qs, self.d)
+        return torch.ops.dpserve.q8_linear(x.float(), self.qs, self.d)
 
 
 class FastHead(nn.Module):
