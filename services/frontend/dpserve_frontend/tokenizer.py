@@ -64,7 +64,8 @@ class ModelTokenizer:
     ) -> str:
         if self._template is None:
             raise ChatTemplateError(
-                f"model {self.info.name!r} has no chat template; use /v1/completions or a model that has one"
+                f"model {self.info.name!r} has no chat template (a base model): use /v1/completions, or start the "
+                "server with --chat-template FILE to give it one"
             )
         try:
             return self._template.render(
