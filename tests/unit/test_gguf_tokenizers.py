@@ -9,7 +9,8 @@ import os
 import pytest
 from tokenizers import Tokenizer
 
-from dpserve_engine.model_info import PRE_TOKENIZERS, gguf_pre_tokenizer, load_model_info
+from dpserve_engine.gguf_tokenizer import PRE_TOKENIZERS, gguf_pre_tokenizer
+from dpserve_engine.model_info import load_model_info
 from dpserve_engine.settings import EngineConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,3 +60,41 @@ def test_digit_runs_split_as_each_regex_says():
 def test_an_unknown_pre_tokenizer_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"tokenizer.ggml.pre='tekken'.*supported: .*llama3"):
         gguf_pre_tokenizer("tekken")
+
+
+# -- SentencePiece (tokenizer.ggml.model "llama"), on the optional Gemma 3 270M file -----------------------------
+
+with open(os.path.join(os.path.dirname(__file__), "data", "gemma3_token_ids.json"), encoding="utf-8") as f:
+    GEMMA_REFERENCE = json.load(f)
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer():
+    from dpserve_engine.model_files import optional_gemma_path
+
+    path = optional_gemma_path()
+    if path is None:
+        pytest.skip("the Gemma 3 270M GGUF is not installed (`make gemma` installs it; Gemma terms apply)")
+    from dpserve_engine.gguf_metadata import read_gguf_metadata
+    from dpserve_engine.gguf_tokenizer import build_gguf_tokenizer
+
+    return build_gguf_tokenizer(read_gguf_metadata(path))
+
+
+def test_sentencepiece_ids_equal_llama_cpps(gemma_tokenizer):
+    ours = [gemma_tokenizer.encode(text, add_special_tokens=False).ids for text in GEMMA_REFERENCE["texts"]]
+    differing = [(text, mine, theirs) for text, mine, theirs in zip(GEMMA_REFERENCE["texts"], ours,
+                 GEMMA_REFERENCE["ids"]) if mine != theirs]  # fmt: skip
+    assert not differing, differing
+
+
+def test_sentencepiece_special_tokens_in_the_text_are_matched_as_llama_cpp_parses_them(gemma_tokenizer):
+    texts, want = GEMMA_REFERENCE["special_texts"], GEMMA_REFERENCE["ids_parse_special"]
+    ours = [gemma_tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+    differing = [(text, mine, theirs) for text, mine, theirs in zip(texts, ours, want) if mine != theirs]
+    assert not differing, differing
+
+
+def test_sentencepiece_decodes_to_the_text(gemma_tokenizer):
+    for text in GEMMA_REFERENCE["texts"]:
+        assert gemma_tokenizer.decode(gemma_tokenizer.encode(text, add_special_tokens=False).ids) == text

