@@ -4,7 +4,7 @@ import gguf
 import numpy as np
 import pytest
 
-from dpserve_engine.gguf_metadata import read_gguf_metadata
+from dpserve_engine.gguf_metadata import read_gguf, read_gguf_metadata
 from dpserve_engine.model_files import bundled_gguf_path
 
 pytestmark = pytest.mark.timeout(120)
@@ -15,6 +15,18 @@ def test_the_bundled_files_metadata_equals_gguf_pys():
     want = {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items() if not key.startswith("GGUF.")}
     got = read_gguf_metadata(path)
     assert got == want and got.tensor_count == 272
+
+
+def test_the_bundled_files_tensors_equal_gguf_pys():
+    path = bundled_gguf_path()
+    theirs = gguf.GGUFReader(path).tensors
+    _, ours = read_gguf(path)
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for mine, want in zip(ours, theirs):
+        assert (mine.tensor_type, mine.shape) == (want.tensor_type, tuple(want.shape.tolist())), mine.name
+        assert (mine.data.dtype, mine.data.shape) == (want.data.dtype, want.data.shape), mine.name
+    for i in (0, 1, len(ours) // 2, len(ours) - 1):  # the bytes of a few, first and last included
+        assert np.array_equal(ours[i].data, theirs[i].data), ours[i].name
 
 
 def test_every_value_type_reads_back(tmp_path):

@@ -1,12 +1,15 @@
-"""A GGUF file's key-value metadata, read fast: the header and the KV section only, no tensors.
+"""A GGUF file's key-value metadata and tensor index, read fast.
 
 gguf-py's GGUFReader builds a numpy view per array element: on Gemma 3's 262k-token vocabulary (three such arrays)
-it takes ~30 s before the first key can be read, where this takes well under a second. Values come back as
-gguf's `ReaderField.contents()` gives them: numbers and strings as Python values, arrays as lists.
+it takes 15-30 s before the first key can be read, where this takes well under a second. Values come back as
+gguf's `ReaderField.contents()` gives them: numbers and strings as Python values, arrays as lists; tensors as
+GGUFReader's do (`name`, `tensor_type`, `shape`, and `data`: a read-only memmap in the same numpy shape and dtype,
+so that gguf.quants.dequantize takes it as it is).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Any
 
@@ -26,20 +29,74 @@ class GgufMetadata(dict):
     tensor_count: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class GgufTensor:
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order (innermost first), as GGUFReader's `shape`
+    data: np.ndarray
+
+
 def read_gguf_metadata(path: str) -> GgufMetadata:
     """The file's metadata; ValueError naming the file when it is not a GGUF file this reads (version 2 or 3)."""
     with open(path, "rb") as f:
-        buf = _KvBuffer(f)
-        if buf.take(4) != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
-        version = buf.unpack("<I")
-        if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
-        meta = GgufMetadata()
-        meta.tensor_count = buf.unpack("<Q")
-        for _ in range(buf.unpack("<Q")):
-            key = buf.string()
-            meta[key] = buf.value(buf.unpack("<I"))
+        return _read_kv(f, path)
+
+
+def read_gguf(path: str) -> tuple[GgufMetadata, list[GgufTensor]]:
+    """The file's metadata and its tensors (their data memory-mapped, not read)."""
+    import gguf
+
+    with open(path, "rb") as f:
+        meta = _read_kv(f, path)
+        buf = meta.buffer
+        infos = []
+        for _ in range(meta.tensor_count):
+            name = buf.string()
+            dims = tuple(buf.unpack("<Q") for _ in range(buf.unpack("<I")))
+            infos.append((name, gguf.GGMLQuantizationType(buf.unpack("<I")), dims, buf.unpack("<Q")))
+        end = buf.offset
+    alignment = int(meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"{path}: general.alignment {alignment} is not a power of two")
+    start = end + (-end % alignment)
+    mapped = np.memmap(path, mode="r")
+    tensors, seen = [], set()
+    for name, kind, dims, offset in infos:
+        if name in seen:
+            raise ValueError(f"{path}: tensor {name!r} appears twice")
+        seen.add(name)
+        n = int(np.prod(dims))
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        dtype = _PLAIN_TYPES.get(kind.name)
+        np_dims = tuple(reversed(dims))
+        if dtype is None:  # quantized (and BF16): bytes, [rows, bytes a row]
+            count, dtype, np_dims = n * size // block, np.uint8, gguf.quant_shape_to_byte_shape(np_dims, kind)
+        else:
+            count = n
+        first = start + offset
+        data = mapped[first : first + count * np.dtype(dtype).itemsize].view(dtype).reshape(np_dims)
+        tensors.append(GgufTensor(name, kind, dims, data))
+    return meta, tensors
+
+
+_PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}  # fmt: skip
+
+
+def _read_kv(f, path: str) -> GgufMetadata:
+    buf = _KvBuffer(f)
+    if buf.take(4) != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+    version = buf.unpack("<I")
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+    meta = GgufMetadata()
+    meta.tensor_count = buf.unpack("<Q")
+    for _ in range(buf.unpack("<Q")):
+        key = buf.string()
+        meta[key] = buf.value(buf.unpack("<I"))
+    meta.buffer = buf
     return meta
 
 
@@ -49,10 +106,17 @@ class _KvBuffer:
     def __init__(self, f, chunk: int = 1 << 22):
         self._f, self._chunk = f, chunk
         self._data, self._pos = b"", 0
+        self._read = 0  # bytes read from the file so far
+
+    @property
+    def offset(self) -> int:
+        """The file offset of the next byte this buffer hands out."""
+        return self._read - (len(self._data) - self._pos)
 
     def _need(self, n: int) -> None:
         if self._pos + n > len(self._data):
             more = self._f.read(max(n, self._chunk))
+            self._read += len(more)
             self._data = self._data[self._pos :] + more
             self._pos = 0
             if n > len(self._data):

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from dpserve_engine.gguf_metadata import read_gguf
 from dpserve_engine.hf_config import check_hf_config
 from dpserve_engine.model import ModelArgs
 from dpserve_engine.model_files import ModelFilesNotFound, parse_upcycled, resolve_model_path
@@ -190,18 +191,17 @@ def load_gguf(path: str, quantization: str | None = None) -> tuple[ModelArgs, di
 
     started = time.perf_counter()
     logger.info("reading %s", path)
-    reader = gguf.GGUFReader(path)
+    meta, tensor_list = read_gguf(path)
 
     def field(key, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        return meta.get(key, default)
 
     arch = field("general.architecture", "llama")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
     n_heads = int(field(f"{arch}.attention.head_count"))
     n_kv_heads = int(field(f"{arch}.attention.head_count_kv", n_heads))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in tensor_list}
     if "rope_freqs.weight" in tensors:  # Llama 3.1+: per-frequency factors, the llama3 rope scaling
         raise ValueError(f"{path}: rope_freqs.weight (llama3 rope scaling) is not supported yet (plain RoPE only)")
     scaling = field(f"{arch}.rope.scaling.type")

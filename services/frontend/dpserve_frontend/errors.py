@@ -155,3 +155,52 @@ def _from_http_exception(request: web.Request, e: web.HTTPException) -> APIError
 def _allow_header(e: web.HTTPException) -> dict[str, str] | None:
     allow = e.headers.get("Allow")
     return {"Allow": allow} if allow else None
+
+
+# -- errors aiohttp's HTTP parser raises before the app sees a request ------------------------------------------
+
+
+def parser_error(exc: BaseException | None, status: int, message: str | None) -> APIError | None:
+    """What a request the HTTP parser refused gets, as an OpenAI error object: a request line over the parser's
+    limit 414, a header 431 (aiohttp says 400 for both), any other malformed head its own 4xx. None for the 5xx
+    aiohttp's handler gives a handler that failed (504, 500: the app's middleware has answered those it could)."""
+    from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+
+    if not isinstance(exc, HttpProcessingError) or status >= 500:
+        return None
+    text = (message or getattr(exc, "message", "") or "malformed HTTP request").strip()
+    error = APIError(f"The HTTP request could not be parsed: {text}")
+    error.error_type = "invalid_request_error"
+    error.status, error.code = status, "bad_http_request"
+    if isinstance(exc, LineTooLong):  # args[0]: the first bytes of the URL, or of the header name or value
+        line = exc.args[0] if exc.args else b""
+        line = line.encode("latin-1", "replace") if isinstance(line, str) else bytes(line)
+        is_request_line = line.startswith((b"/", b"*")) or b"://" in line[:16]
+        error.status = 414 if is_request_line else 431
+        error.code = "uri_too_long" if is_request_line else "request_header_fields_too_large"
+    return error
+
+
+class OpenAIErrorRequestHandler(web.RequestHandler):
+    """aiohttp's per-connection handler, with the answer to an unparseable request as an OpenAI error object (its own
+    is a plain-text 400: `Got more than 8190 bytes when reading ...`, `Invalid method encountered`). Its limits stay
+    as they are; the connection is closed after the answer, as aiohttp does."""
+
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:  # fmt: skip
+        error = parser_error(exc, status, message)
+        if error is None or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        self.logger.debug("unparseable request from %s: %s", request.remote, exc)
+        response = error_response(error)
+        response.force_close()
+        return response
+
+
+class OpenAIErrorServer(web.Server):
+    """web.Server whose connections run OpenAIErrorRequestHandler."""
+
+    def __call__(self) -> OpenAIErrorRequestHandler:
+        return OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)

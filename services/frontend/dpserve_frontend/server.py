@@ -24,6 +24,7 @@ import time
 from aiohttp import web
 
 from dpserve_frontend.app import COORDINATOR_KEY, STATE_KEY, init_app, server_options
+from dpserve_frontend.errors import OpenAIErrorServer
 from dpserve_frontend.settings import FrontendSettings
 from dpserve_frontend.state import ServerState
 
@@ -57,7 +58,7 @@ class ApiServer:
 
     async def run(self) -> None:
         settings = self.settings
-        runner = web.AppRunner(
+        runner = _AppRunner(
             self.app, handler_cancellation=True, shutdown_timeout=HANDLER_GRACE_S, access_log=None,
             handle_signals=False, **server_options(settings),
         )
@@ -126,3 +127,13 @@ class ApiServer:
         with open(tmp, "w") as f:
             f.write(state.settings.frontend_id)
         os.replace(tmp, path)
+
+
+class _AppRunner(web.AppRunner):
+    """web.AppRunner whose connections answer a request aiohttp's parser refused with an OpenAI error object
+    (errors.OpenAIErrorServer); everything else is aiohttp's."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = OpenAIErrorServer  # the same server; its connections get OpenAIErrorRequestHandler
+        return server
