@@ -138,6 +138,7 @@ class Deployment:
                "--data-parallel-size", str(self.args.data_parallel_size),
                "--data-parallel-backend", self.args.backend, "--data-parallel-rpc-port", str(self.rpc_port),
                *self.args.serve_args]  # fmt: skip
+        os.makedirs(self.args.log_dir, exist_ok=True)  # --log-dir may name a folder not made yet
         self.log_path = os.path.join(self.args.log_dir, f"{self.log_prefix}-serve-{port}.log")
         _log(f"starting: dpserve {' '.join(cmd[1:])} (log {self.log_path})", self.log_prefix)
         with open(self.log_path, "wb") as log:
