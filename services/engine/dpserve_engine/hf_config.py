@@ -23,13 +23,18 @@ class HfAttention:
     context_length: int | None  # max_position_embeddings, capped at the sliding window when one is in use
 
 
+def hf_model_type(cfg: dict[str, Any]) -> str | None:
+    """The config's model_type, or for an old config.json without one, that of its first known architecture."""
+    if cfg.get("model_type") is not None:
+        return cfg["model_type"]
+    known = [ARCHITECTURES[a] for a in cfg.get("architectures") or [] if a in ARCHITECTURES]
+    return known[0] if known else None
+
+
 def check_hf_config(cfg: dict[str, Any], path: str) -> HfAttention:
     """The RoPE base and usable context of a config.json the model computes exactly; ValueError naming the
     model_type or option it does not."""
-    model_type = cfg.get("model_type")
-    if model_type is None:
-        known = [ARCHITECTURES[a] for a in cfg.get("architectures") or [] if a in ARCHITECTURES]
-        model_type = known[0] if known else None
+    model_type = hf_model_type(cfg)
     if model_type not in MODEL_TYPES:
         raise ValueError(f"{path}: model_type {cfg.get('model_type')!r} (architectures {cfg.get('architectures')}) "
                          f"is not supported (supported: {', '.join(MODEL_TYPES)}; GGUF files: 'llama')")  # fmt: skip

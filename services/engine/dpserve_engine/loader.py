@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dpserve_engine.gguf_metadata import read_gguf
-from dpserve_engine.hf_config import check_hf_config
+from dpserve_engine.gguf_metadata import check_architecture, read_gguf
+from dpserve_engine.hf_config import check_hf_config, hf_model_type
 from dpserve_engine.model import ModelArgs
 from dpserve_engine.model_files import ModelFilesNotFound, parse_upcycled, resolve_model_path
 from dpserve_engine.moe import checked_expert_ids
@@ -130,8 +130,7 @@ def q4_1_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     Each 20-byte group: d (fp16), m (fp16), 16 bytes of nibbles: low nibbles are weights 0..15, high 16..31.
     """
     groups = np.asarray(raw).reshape(raw.shape[0], -1, 20)
-    d = groups[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = groups[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    d, m = _fp16(groups, 0), _fp16(groups, 2)
     return torch.from_numpy(_nibbles(groups[..., 4:], raw.shape[0])), torch.from_numpy(d), torch.from_numpy(m)
 
 
@@ -141,7 +140,7 @@ def q4_0_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     Each 18-byte group: d (fp16), 16 bytes of nibbles in Q4_1's order. d * q and 8 d are exact in fp32 (an fp16
     times a 4-bit integer), so the repacked weights are gguf's dequantized ones bit for bit."""
     groups = np.asarray(raw).reshape(raw.shape[0], -1, 18)
-    d = groups[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _fp16(groups, 0)
     return torch.from_numpy(_nibbles(groups[..., 2:], raw.shape[0])), torch.from_numpy(d), torch.from_numpy(-8.0 * d)
 
 
@@ -154,8 +153,7 @@ def q4_k_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     import gguf
 
     blocks = np.asarray(raw).reshape(-1, 144)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    d, dmin = _fp16(blocks, 0)[:, None], _fp16(blocks, 2)[:, None]  # [B, 1]
     sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [B, 8] each
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     q = (qs & 0x0F).reshape(raw.shape[0], -1)
@@ -167,9 +165,14 @@ def q4_k_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 def q8_0_groups(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor's bytes [N, K/32 * 34] -> q [N, K] int8 and d [N, K/32] fp32; w = d * q (exact in fp32)."""
     groups = np.asarray(raw).reshape(raw.shape[0], -1, 34)
-    d = groups[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _fp16(groups, 0)
     q = groups[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
     return torch.from_numpy(q), torch.from_numpy(d)
+
+
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of each block (the last axis), as fp32: [..., block bytes] -> [...]."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _nibbles(packed: np.ndarray, rows: int) -> np.ndarray:
@@ -196,9 +199,7 @@ def load_gguf(path: str, quantization: str | None = None) -> tuple[ModelArgs, di
     def field(key, default=None):
         return meta.get(key, default)
 
-    arch = field("general.architecture", "llama")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    arch = check_architecture(meta, path)
     n_heads = int(field(f"{arch}.attention.head_count"))
     n_kv_heads = int(field(f"{arch}.attention.head_count_kv", n_heads))
     tensors = {t.name: t for t in tensor_list}
@@ -278,7 +279,7 @@ _EXPERT_TENSOR = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.")
 
 
 def is_mixtral(cfg: dict) -> bool:
-    return cfg.get("model_type") == "mixtral" or "MixtralForCausalLM" in (cfg.get("architectures") or [])
+    return hf_model_type(cfg) == "mixtral"
 
 
 def _moe_args(cfg: dict, path: str) -> dict:
@@ -316,7 +317,7 @@ def load_hf_dir(path: str, expert_ids: Sequence[int] | None = None) -> tuple[Mod
         rope_theta=attention.rope_theta,
         max_seq_len=attention.context_length or 4096,
         tie_embeddings=cfg.get("tie_word_embeddings", False),
-        qkv_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+        qkv_bias=cfg.get("attention_bias", hf_model_type(cfg) == "qwen2"),
         **moe,
     )
     started = time.perf_counter()

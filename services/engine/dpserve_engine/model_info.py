@@ -16,7 +16,7 @@ import msgspec
 
 from dpserve_shared.schema import ModelInfo
 
-from dpserve_engine.gguf_metadata import read_gguf_metadata
+from dpserve_engine.gguf_metadata import check_architecture, read_gguf_metadata
 from dpserve_engine.gguf_tokenizer import build_gguf_tokenizer
 from dpserve_engine.hf_config import check_hf_config
 from dpserve_engine.model_files import (
@@ -45,9 +45,7 @@ def _default_max_len(context_length: int | None, config: EngineConfig) -> int:
 def model_info_from_gguf(path: str, config: EngineConfig) -> ModelInfo:
     """ModelInfo with max_model_len = the model's full context length (load_model_info applies the cap)."""
     meta = read_gguf_metadata(path)
-    arch = meta.get("general.architecture") or "llama"
-    if arch != "llama":  # the loader refuses it too; said here, before the tokenizer and the weights are read
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    arch = check_architecture(meta, path)  # the loader checks too; here it is said before anything else is read
     tokenizer = build_gguf_tokenizer(meta)
     tokens = meta.get("tokenizer.ggml.tokens")
     bos = meta.get("tokenizer.ggml.bos_token_id")

@@ -33,7 +33,36 @@ class RowSplit:
 GROUPED_PATHS = ("q4", "q4q8")
 
 
-class GroupedLinear(nn.Module):
+class _SplitRows(nn.Module):
+    """A layer whose decode rows (`split.decode_rows`, the leading rows) take its grouped kernel (`_grouped`) and
+    whose prefill rows take its dense copy (`_dense`): each kind of row always the same path."""
+
+    split: RowSplit
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = self.split.decode_rows
+        if n >= x.shape[0]:
+            y = self._grouped(x)
+        elif n == 0:
+            y = self._dense(x)
+        else:
+            y = torch.cat([self._grouped(x[:n]), self._dense(x[n:])])
+        return y.to(x.dtype)
+
+    def decode(self, x: Tensor, rows: int) -> Tensor:
+        """Every row a decode (the compiled decode step): the grouped kernel on the first `rows` rows, zeros for
+        the padding rows after them; no branch on RowSplit."""
+        y = self._grouped(x.narrow(0, 0, rows))
+        return torch.cat([y, y.new_zeros(x.shape[0] - rows, y.shape[1])]).to(x.dtype)
+
+    def _grouped(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _dense(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class GroupedLinear(_SplitRows):
     """Weight-only 4-bit from GGUF Q4_1 groups (w = d * q + m, 32 weights a group), repacked, not requantized,
     on one of three kernel paths (cpu_paths.py chooses for the CPU):
 
@@ -82,22 +111,6 @@ class GroupedLinear(nn.Module):
             dense = (groups.float() * self.d.unsqueeze(-1) + m.float().unsqueeze(-1)).view(q.shape)  # the file's w
         self.register_buffer("dense", dense if prefill_copy else None)
 
-    def forward(self, x: Tensor) -> Tensor:
-        n = self.split.decode_rows
-        if n >= x.shape[0]:
-            y = self._grouped(x)
-        elif n == 0:
-            y = self._dense(x)
-        else:
-            y = torch.cat([self._grouped(x[:n]), self._dense(x[n:])])
-        return y.to(x.dtype)
-
-    def decode(self, x: Tensor, rows: int) -> Tensor:
-        """Every row a decode (the compiled decode step): the 4-bit kernel on the first `rows` rows, zeros for
-        the padding rows after them; no branch on RowSplit."""
-        y = self._grouped(x.narrow(0, 0, rows))
-        return torch.cat([y, y.new_zeros(x.shape[0] - rows, y.shape[1])]).to(x.dtype)
-
     def _dense(self, x: Tensor) -> Tensor:
         if self.dense is None:  # built without a prefill copy
             return self._grouped(x)
@@ -118,7 +131,7 @@ class GroupedLinear(nn.Module):
         return torch.ops.dpserve.q4_linear(x.float(), self.qs, self.d, self.mt)
 
 
-class Q8Linear(nn.Module):
+class Q8Linear(_SplitRows):
     """A GGUF Q8_0 linear layer (w = d * q, 32 weights a group, q int8) as the file has it: decode rows in the grouped
     kernel the Q8_0 LM head runs (`q8_linear` on fp32 activations, path "q4"; `q8q8_linear`, path "q4q8"), prefill
     rows through an fp32 copy of the same weights, as GroupedLinear does."""
@@ -136,19 +149,8 @@ class Q8Linear(nn.Module):
         groups = q.view(q.shape[0], -1, GroupedLinear.group_size).float()
         self.register_buffer("dense", (groups * self.d.unsqueeze(-1)).view(q.shape))
 
-    def forward(self, x: Tensor) -> Tensor:
-        n = self.split.decode_rows
-        if n >= x.shape[0]:
-            y = self._grouped(x)
-        elif n == 0:
-            y = F.linear(x.float(), self.dense)
-        else:
-            y = torch.cat([self._grouped(x[:n]), F.linear(x[n:].float(), self.dense)])
-        return y.to(x.dtype)
-
-    def decode(self, x: Tensor, rows: int) -> Tensor:
-        y = self._grouped(x.narrow(0, 0, rows))
-        return torch.cat([y, y.new_zeros(x.shape[0] - rows, y.shape[1])]).to(x.dtype)
+    def _dense(self, x: Tensor) -> Tensor:
+        return F.linear(x.float(), self.dense)
 
     def _grouped(self, x: Tensor) -> Tensor:
         if self.path == "q4q8":
