@@ -284,8 +284,8 @@ def test_dead_engine_is_routed_around_and_replaced(server, how):
     model = _model(server)
     old_pid = _engine_pid(server, 1)
     assert old_pid is not None
-    # A first death is replaced at once, and a null engine is back within a second or so: /health and /metrics
-    # are watched by their own threads, fast, so that the window is seen however short it is.
+    # A null engine is back within a second or two of its replacement's start: /health and /metrics are watched
+    # by their own threads, fast, so that the window is seen however short it is.
     degraded, gone_in_metrics, stop = [], [], threading.Event()
 
     def watch(read, seen: list) -> None:

@@ -4,14 +4,13 @@ One watcher task per rank waits for the launcher to report that the rank's proce
   - the deployment is stopping, or a scale-down is removing the rank: expected, nothing to do;
   - otherwise the rank is marked DEAD in the registry (the next topology broadcast tells the frontends, which
     move its requests to live ranks) and a replacement is started; it registers under the same rank like any
-    engine. There is no lifetime cap: a first death is replaced at once, and the delay before a replacement doubles
-    with each further death in a row that came within STABLE_S of the rank's start (0, 1, 2, 4 ...
-    MAX_RESTART_DELAY_S), and after --max-engine-restarts such
+    engine. There is no lifetime cap: the delay before a replacement doubles with each death in a row that came
+    within STABLE_S of the rank's start (1, 2, 4 ... MAX_RESTART_DELAY_S), and after --max-engine-restarts such
     deaths the rank is shown as FAILED (a crash loop, in the topology: /health, /metrics, the log) while it is
     still retried; a rank that lives STABLE_S is healthy again. A replacement that cannot be launched is retried
     the same way. Only a rank that dies before it ever registered is not restarted: `wait_ready` reports it to
     whoever is waiting for it (start-up or a scale-up). A rank of an expert-parallel deployment is replaced the
-    same way; the coordinator's ExpertGroups re-forms
+    same way (a first death with no back-off: the whole group waits for it); the coordinator's ExpertGroups re-forms
     the group once the replacement registered.
 
 `wait_ready` is the one "wait until these ranks are READY by a deadline, name the missing ones", used by the
@@ -34,7 +33,7 @@ from dpserve_coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger("dpserve.coordinator")
 
-RESTART_DELAY_S = 1.0  # before the second replacement in a row (the first: at once); doubled for each after
+RESTART_DELAY_S = 1.0  # before the first replacement; doubled for each quick death in a row
 MAX_RESTART_DELAY_S = 30.0
 STABLE_S = 30.0  # a rank that lives this long after its start was not in a crash loop
 _POLL_S = 0.1
@@ -280,9 +279,9 @@ class RankSupervisor:
         restarts = (entry.restarts if entry is not None else 0) + 1  # the registry keeps the rank's count
         failed = quick_deaths > self._settings.max_engine_restarts
         self._registry.set_restarts(rank, restarts, failed)
-        # A first death is replaced at once (users wait for that rank's capacity; a one-off kill or OOM is the
-        # common case); from the second quick death in a row on, the delay doubles: RESTART_DELAY_S, 2x, 4x ...
-        delay = 0.0 if quick_deaths <= 1 else min(MAX_RESTART_DELAY_S, RESTART_DELAY_S * 2 ** (quick_deaths - 2))
+        delay = min(MAX_RESTART_DELAY_S, RESTART_DELAY_S * 2 ** (quick_deaths - 1))
+        if self._settings.enable_expert_parallel and quick_deaths == 1:
+            delay = 0.0  # every rank of the group waits for this one: a first death is replaced at once
         if failed:
             log.error("rank %d: FAILED (a crash loop: %d deaths in a row within %.0f s of a start; last: %s); "
                       "retrying in %.0f s (restart %d)", rank, quick_deaths, STABLE_S, reason, delay, restarts)  # fmt: skip
